@@ -1,0 +1,1 @@
+"""MoE QAT workbench."""

@@ -1,0 +1,20 @@
+"""Reference codecs for block-scaled formats (MXFP4, MXFP8, NVFP4): the spec, in plain torch.
+
+Imports only torch. Each library's behaviour is a named profile (see FORMATS.md in shared/).
+"""
+
+from .api import QuantizedTensor, dequantize, fake_quantize, quantize
+from .constants import FORMATS, FormatSpec, format_spec
+from .recipe import Recipe, parse_recipe
+
+__all__ = [
+    "FORMATS",
+    "FormatSpec",
+    "QuantizedTensor",
+    "Recipe",
+    "dequantize",
+    "fake_quantize",
+    "format_spec",
+    "parse_recipe",
+    "quantize",
+]
