@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The README's test command runs this (through `make test`): start the services the suite needs,
+# then run pytest in parallel. Exit code 5 (no tests collected) is an error: it means the
+# selection is empty, which must never pass silently.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1 PYTHONUNBUFFERED=1
+if [ -x jobs/slurm/local-cluster.sh ] && [ "$(id -u)" = 0 ] && [ -f /etc/debian_version ]; then
+  timeout 600 jobs/slurm/local-cluster.sh || echo "local Slurm cluster did not start; slurm tests will skip with the reason"
+fi
+.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadgroup "$@"
+rc=$?
+if [ "$rc" = 5 ]; then echo "pytest collected no tests"; fi
+exit $rc
