@@ -1,0 +1,100 @@
+"""Token dispatchers: route token copies to experts and combine the weighted results.
+
+Legend: T local tokens, D hidden, K top-k, A = T*K assignments, E experts (global unless noted),
+L local experts per rank, R ranks of the EP group.
+
+A dispatcher is a plain callable `(x_TD, experts_TK, weights_TK, GroupedExperts) -> y_TD`; the MoE
+block holds one and expert parallelism is a dispatcher swap. Both dispatchers sort assignments
+by global expert id with a stable sort, so rows of one expert keep token order, and combine in
+the same order as transformers' per-expert loop (weight multiply after the down projection,
+then `index_add_`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from workbench.model.collectives import all_to_all
+from workbench.model.experts import GroupedExperts
+
+
+def _sort_assignments(experts_TK: torch.Tensor, num_experts: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order_A, token_A, counts_E): assignment order sorted by expert, its token, per-expert counts."""
+    flat_A = experts_TK.reshape(-1)
+    order_A = torch.argsort(flat_A, stable=True)
+    token_A = order_A // experts_TK.shape[1]
+    counts_E = torch.bincount(flat_A, minlength=num_experts)
+    return order_A, token_A, counts_E
+
+
+def _combine(x_TD: torch.Tensor, y_AD: torch.Tensor, weights_TK: torch.Tensor,
+             order_A: torch.Tensor, token_A: torch.Tensor) -> torch.Tensor:
+    y_AD = y_AD * weights_TK.reshape(-1)[order_A, None]
+    return torch.zeros_like(x_TD).index_add(0, token_A, y_AD.to(x_TD.dtype))
+
+
+class LocalDispatcher:
+    """All experts on this process: sort, one grouped GEMM pass, scatter back weighted."""
+
+    def __call__(self, x_TD: torch.Tensor, experts_TK: torch.Tensor, weights_TK: torch.Tensor,
+                 experts: GroupedExperts) -> torch.Tensor:
+        if experts.num_experts != experts.num_global_experts:
+            raise ValueError(f"LocalDispatcher needs all {experts.num_global_experts} experts on this"
+                             f" process, the module holds {experts.num_experts}; use "
+                             "AllToAllDispatcher for sharded experts")
+        order_A, token_A, counts_E = _sort_assignments(experts_TK, experts.num_experts)
+        offs_E = counts_E.cumsum(0).to(torch.int32)
+        y_AD = experts(x_TD[token_A], offs_E)
+        return _combine(x_TD, y_AD, weights_TK, order_A, token_A)
+
+    def __repr__(self) -> str:
+        return "LocalDispatcher()"
+
+
+class AllToAllDispatcher:
+    """Experts sharded contiguously over `group`: rank r holds global experts [r*L, (r+1)*L).
+
+    1. exchange per-expert counts (all_to_all_single on an [R, L] int64 tensor);
+    2. send token rows, grouped by destination rank (sorted by global expert id does that);
+    3. regroup the received rows (grouped by source rank, then local expert) by local expert,
+       run the grouped GEMM, undo the regrouping;
+    4. send results back with the splits reversed, weight and scatter-add into the local tokens.
+    Autograd flows through both all-to-alls (`workbench.model.collectives`).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+
+    def __call__(self, x_TD: torch.Tensor, experts_TK: torch.Tensor, weights_TK: torch.Tensor,
+                 experts: GroupedExperts) -> torch.Tensor:
+        R, L = self.size, experts.num_experts
+        if L * R != experts.num_global_experts or experts.expert_offset != self.rank * L:
+            raise ValueError(f"AllToAllDispatcher on rank {self.rank}/{R} expects local experts "
+                             f"[{self.rank * L}, {(self.rank + 1) * L}) of {L * R}, the module holds "
+                             f"[{experts.expert_offset}, {experts.expert_offset + L}) of "
+                             f"{experts.num_global_experts}")
+        order_A, token_A, counts_E = _sort_assignments(experts_TK, experts.num_global_experts)
+        send_RL = counts_E.view(R, L)
+        recv_RL = torch.empty_like(send_RL)
+        dist.all_to_all_single(recv_RL, send_RL, group=self.group)
+        in_splits = send_RL.sum(1).tolist()
+        out_splits = recv_RL.sum(1).tolist()
+        x_recv = all_to_all(x_TD[token_A], out_splits, in_splits, self.group)
+
+        local_expert = torch.arange(L, device=x_TD.device).repeat(R)
+        local_expert = local_expert.repeat_interleave(recv_RL.reshape(-1))
+        perm = torch.argsort(local_expert, stable=True)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+        offs_L = recv_RL.sum(0).cumsum(0).to(torch.int32)
+        y_recv = experts(x_recv[perm], offs_L)[inverse]
+
+        y_AD = all_to_all(y_recv, in_splits, out_splits, self.group)
+        return _combine(x_TD, y_AD, weights_TK, order_A, token_A)
+
+    def __repr__(self) -> str:
+        return f"AllToAllDispatcher(rank={self.rank}, size={self.size})"

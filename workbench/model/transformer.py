@@ -1,0 +1,150 @@
+"""The Qwen3-MoE-compatible causal LM.
+
+Legend: B batch, S sequence, D hidden, V vocab, T = B*S tokens, E experts.
+
+Module and parameter names equal transformers' `Qwen3MoeForCausalLM` except the routed experts
+(`mlp.experts.w1/w3/w2`, see `workbench.model.hf` for the key map). Differences in behaviour:
+no KV cache, no padding mask (training model: causal attention over full sequences).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from workbench.model.config import MoEConfig
+from workbench.model.experts import GroupedExperts
+from workbench.model.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
+from workbench.model.moe import MoEBlock
+from workbench.model.router import load_balancing_loss
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class MoEOutput:
+    logits: torch.Tensor  # [B, S, V]
+    loss: torch.Tensor | None  # ce_loss + aux_loss_coef * aux_loss, when labels are given
+    ce_loss: torch.Tensor | None
+    aux_loss: torch.Tensor | None  # None when the model has no MoE layer
+    router_logits: tuple[torch.Tensor, ...]  # one [T, E] per MoE layer
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: MoEConfig, layer: int, *, ep_rank: int, ep_size: int,
+                 device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp: nn.Module = (MoEBlock(cfg, ep_rank=ep_rank, ep_size=ep_size, device=device,
+                                        dtype=dtype)
+                               if cfg.is_moe_layer(layer) else SwiGLU(cfg.hidden_size, cfg.dense_ffn))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+
+    def forward(self, h_BSD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD), rope)
+        x_BSD = self.post_attention_layernorm(h_BSD)
+        if isinstance(self.mlp, MoEBlock):
+            y_BSD, logits_TE = self.mlp(x_BSD)
+            return h_BSD + y_BSD, logits_TE
+        return h_BSD + self.mlp(x_BSD), None
+
+
+class MoEModel(nn.Module):
+    def __init__(self, cfg: MoEConfig, *, ep_rank: int, ep_size: int,
+                 device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, ep_rank=ep_rank, ep_size=ep_size, device=device, dtype=dtype)
+            for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+
+
+class MoEForCausalLM(nn.Module):
+    """`MoEForCausalLM(cfg, seed=0)`; with `ep_group` only this rank's experts are built.
+
+    Initialisation draws every tensor (and every expert separately) from a generator seeded by
+    (seed, parameter name, global expert index), so a model built sharded over any EP size holds
+    exactly the slices of the model built whole, and the global RNG is left alone.
+    """
+
+    def __init__(self, cfg: MoEConfig, *, seed: int = 0, ep_group: dist.ProcessGroup | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
+        ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
+        self.model = MoEModel(cfg, ep_rank=ep_rank, ep_size=ep_size, device=device, dtype=dtype)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.to(device=device, dtype=dtype)
+        self.ep_group: dist.ProcessGroup | None = None
+        if ep_group is not None:
+            from workbench.model.parallel import install_expert_parallel
+            install_expert_parallel(self, ep_group)
+        if torch.device(device or "cpu").type != "meta":
+            self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        std = self.config.init_std
+        for mod_name, module in self.named_modules():
+            for p_name, param in module.named_parameters(recurse=False):
+                name = f"{mod_name}.{p_name}" if mod_name else p_name
+                if isinstance(module, RMSNorm):
+                    param.fill_(1.0)
+                elif isinstance(module, GroupedExperts):
+                    for e in range(module.num_experts):
+                        param[e].copy_(_normal(param.shape[1:], std, seed, name,
+                                               module.expert_offset + e))
+                elif not (module is self.lm_head and self.config.tie_embeddings):
+                    param.copy_(_normal(param.shape, std, seed, name, None))
+
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [m for m in self.modules() if isinstance(m, MoEBlock)]
+
+    def forward(self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor | None = None, *,
+                positions_BS: torch.Tensor | None = None) -> MoEOutput:
+        """Labels follow transformers: `labels = input_ids` is shifted inside (token t predicts
+        t+1); IGNORE_INDEX (-100) entries do not count. ce_loss is the mean over this process's
+        counted tokens; under EP the aux loss is the one of the whole group's batch."""
+        cfg = self.config
+        if input_ids_BS.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got {tuple(input_ids_BS.shape)}")
+        B, S = input_ids_BS.shape
+        if S > cfg.max_seq_len:
+            raise ValueError(f"sequence length {S} exceeds max_seq_len {cfg.max_seq_len}")
+        h_BSD = self.model.embed_tokens(input_ids_BS)
+        if positions_BS is None:
+            positions_BS = torch.arange(S, device=h_BSD.device).expand(B, S)
+        rope = self.model.rotary_emb(positions_BS, h_BSD.dtype)
+        router_logits = []
+        for layer in self.model.layers:
+            h_BSD, logits_TE = layer(h_BSD, rope)
+            if logits_TE is not None:
+                router_logits.append(logits_TE)
+        logits_BSV = self.lm_head(self.model.norm(h_BSD))
+
+        aux = (load_balancing_loss(router_logits, cfg.num_experts, cfg.top_k, self.ep_group)
+               if router_logits else None)
+        ce = loss = None
+        if labels_BS is not None:
+            ce = F.cross_entropy(logits_BSV[:, :-1].flatten(0, 1).float(),
+                                 labels_BS[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+            loss = ce if aux is None else ce + cfg.aux_loss_coef * aux
+        return MoEOutput(logits_BSV, loss, ce, aux, tuple(router_logits))
+
+
+def _normal(shape: torch.Size, std: float, seed: int, name: str, expert: int | None) -> torch.Tensor:
+    key = f"{seed}/{name}" if expert is None else f"{seed}/{name}/{expert}"
+    gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+    return torch.randn(shape, generator=gen) * std

@@ -1,0 +1,19 @@
+"""QAT: straight-through fake quantization, the grouped fake-quant GEMM, prepare/convert."""
+
+from .grouped import grouped_mm
+from .prepare import PrepareReport, convert, prepare, prepared_report, unprepare
+from .recipe import QATRecipe, parse_qat_recipe
+from .ste import fake_quant_reference, fake_quant_ste
+
+__all__ = [
+    "PrepareReport",
+    "QATRecipe",
+    "convert",
+    "fake_quant_reference",
+    "fake_quant_ste",
+    "grouped_mm",
+    "parse_qat_recipe",
+    "prepare",
+    "prepared_report",
+    "unprepare",
+]

@@ -1,0 +1,71 @@
+"""The grouped GEMM seam used by `workbench.model.experts.GroupedExperts`.
+
+Legend: T tokens (rows, sorted by expert), I reduction dim, O output dim, E experts.
+
+`grouped_mm(x_TI, w_EOI, offs_E)` computes, for expert e, rows offs[e-1]:offs[e] of x times
+w[e].T (Linear convention, like `torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)`).
+Rows at or past offs[-1] are outputs of no expert: they are zero here.
+
+With ``weight`` / ``act`` recipes (``workbench.formats.Recipe`` or ``"mxfp4:rceil"``-style
+strings) the weights are fake-quantized per expert along I (one NVFP4 per-tensor scale per
+expert) and the activations in blocks along I, both with a straight-through estimator.
+What the backward sees: dx = dy @ Q(w) (the quantized weights), dw = dy^T @ Q(x) (the quantized
+activations), and dy itself stays BF16. That is the forward graph differentiated with identity
+STEs: the deployed model runs Q(w) and Q(x), so their gradients are taken at the quantized
+point; quantizing dy (as real MX training recipes do, along other axes) would emulate a
+low-precision *training* backward, which fake-quant QAT for low-precision *inference* does not
+aim at.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workbench.formats import parse_recipe
+from workbench.qat.ste import fake_quant_ste
+
+
+def _check(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor) -> list[int]:
+    if x_TI.dim() != 2 or w_EOI.dim() != 3:
+        raise ValueError(f"grouped_mm expects x [T, I] and w [E, O, I], got {tuple(x_TI.shape)} "
+                         f"and {tuple(w_EOI.shape)}")
+    if x_TI.shape[1] != w_EOI.shape[2]:
+        raise ValueError(f"grouped_mm reduction dims differ: x has I={x_TI.shape[1]}, "
+                         f"w has I={w_EOI.shape[2]}")
+    if offs_E.dim() != 1 or offs_E.shape[0] != w_EOI.shape[0]:
+        raise ValueError(f"grouped_mm offs must be [E={w_EOI.shape[0]}], got {tuple(offs_E.shape)}")
+    if offs_E.dtype != torch.int32:
+        raise TypeError(f"grouped_mm offs must be int32 (as torch._grouped_mm), got {offs_E.dtype}")
+    ends = offs_E.tolist()
+    prev = 0
+    for e, end in enumerate(ends):
+        if end < prev:
+            raise ValueError(f"grouped_mm offs must be non-decreasing, offs[{e}]={end} < {prev}")
+        prev = end
+    if prev > x_TI.shape[0]:
+        raise ValueError(f"grouped_mm offs[-1]={prev} exceeds the {x_TI.shape[0]} rows of x")
+    return ends
+
+
+def grouped_mm(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor, *,
+               weight: object = None, act: object = None) -> torch.Tensor:
+    """Per-expert `x[rows of e] @ w[e].T`; differentiable in x and w; empty groups allowed."""
+    ends = _check(x_TI, w_EOI, offs)
+    if weight is not None:
+        w_EOI = fake_quant_ste(w_EOI, parse_recipe(weight), per_leading=True)
+    if act is not None:
+        x_TI = fake_quant_ste(x_TI, parse_recipe(act))
+    # A loop over experts is the readable reference and is exact on CPU. torch._grouped_mm runs
+    # on CPU in torch 2.13 but its backward rejects expanded (stride-0) gradients such as the
+    # one from `y.sum()`, and it leaves rows past offs[-1] uninitialised.
+    pieces_TO = []
+    start = 0
+    for e, end in enumerate(ends):
+        pieces_TO.append(x_TI[start:end] @ w_EOI[e].transpose(0, 1))
+        start = end
+    tail = x_TI.shape[0] - start
+    if tail:
+        pieces_TO.append(x_TI.new_zeros(tail, w_EOI.shape[1]))
+    if not pieces_TO:
+        return x_TI.new_zeros(x_TI.shape[0], w_EOI.shape[1])
+    return torch.cat(pieces_TO, dim=0)
