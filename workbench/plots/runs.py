@@ -1,0 +1,105 @@
+"""Run-comparison figures: training curves of a run group and the budget verdict table.
+
+Inputs are the frames of `workbench.track.compare` (`Comparison.curves`,
+`Comparison.budgets`) or anything with the same columns; outputs are matplotlib Figures, so
+notebooks, the CLI and wandb show the same pictures.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import pandas as pd
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+
+def _figure_class():
+    # A bare Figure (not pyplot) leaves the global figure registry and backend alone.
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError("plots need matplotlib: pip install 'workbench[plots]'") from exc
+    return Figure
+
+
+def plot_curves(df: pd.DataFrame, metric: str = "loss", *, val_metric: str | None = "val_loss",
+                logx: bool = False, logy: bool = False, smooth: int = 1,
+                title: str | None = None, figsize: tuple[float, float] = (8.0, 4.5)) -> Figure:
+    """One line per run of `metric` against step (solid), and `val_metric` as markers with a
+    dashed line in the same colour when it was logged. `smooth` > 1 applies a trailing
+    rolling mean of that many steps to the training curve only."""
+    Figure = _figure_class()
+    for col in ("run", "step", metric):
+        if col not in df.columns:
+            raise KeyError(f"plot_curves: column {col!r} missing (columns: {list(df.columns)})")
+    if smooth < 1:
+        raise ValueError(f"plot_curves: smooth must be >= 1, got {smooth}")
+    fig = Figure(figsize=figsize, layout="constrained")
+    ax = fig.add_subplot()
+    for i, (run, g) in enumerate(df.groupby("run", sort=False)):
+        color = f"C{i % 10}"  # train and val of one run share a colour
+        g = g.sort_values("step")
+        y = pd.to_numeric(g[metric], errors="coerce")
+        ok = y.notna()
+        y = y[ok].rolling(smooth, min_periods=1).mean()
+        ax.plot(g.loc[ok, "step"], y, color=color, lw=1.5, label=f"{run} {metric}")
+        if val_metric and val_metric in g.columns:
+            v = pd.to_numeric(g[val_metric], errors="coerce")
+            if v.notna().any():
+                ax.plot(g.loc[v.notna(), "step"], v[v.notna()], color=color, ls="--",
+                        marker="o", ms=3, lw=1, label=f"{run} {val_metric}")
+    if logx:
+        ax.set_xscale("symlog", linthresh=1.0)  # step 0 stays on the plot
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric if not val_metric else f"{metric} / {val_metric}")
+    ax.set_title(title or f"{metric} per run")
+    ax.grid(True, alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize="small", loc="best")
+    return fig
+
+
+def plot_budgets(table: pd.DataFrame, *, title: str = "Budget verdicts") -> Figure:
+    """The budget table as a figure: one row per (run, budget), PASS / FAIL / pending
+    coloured green / red / grey."""
+    Figure = _figure_class()
+    for col in ("budget", "measured", "limit", "passed"):
+        if col not in table.columns:
+            raise KeyError(f"plot_budgets: column {col!r} missing "
+                           f"(columns: {list(table.columns)})")
+    cols = [c for c in ("run", "budget", "measured", "limit", "passed") if c in table.columns]
+    cells, colours = [], []
+    for _, row in table.iterrows():
+        p = row["passed"]
+        verdict = "pending" if pd.isna(p) else ("PASS" if bool(p) else "FAIL")
+        colour = {"PASS": "#c8e6c9", "FAIL": "#ffcdd2", "pending": "#eeeeee"}[verdict]
+        line = []
+        for c in cols:
+            v = row[c]
+            if c == "passed":
+                line.append(verdict)
+            elif isinstance(v, float):
+                line.append("-" if math.isnan(v) else f"{v:.4g}")
+            else:
+                line.append(str(v))
+        cells.append(line)
+        colours.append([colour] * len(cols))
+    height = 0.9 + 0.32 * max(len(cells), 1)
+    fig = Figure(figsize=(10.0, height), layout="constrained")
+    ax = fig.add_subplot()
+    ax.axis("off")
+    ax.set_title(title)
+    if cells:
+        t = ax.table(cellText=cells, cellColours=colours, colLabels=cols, loc="upper center",
+                     cellLoc="left")
+        t.auto_set_font_size(False)
+        t.set_fontsize(9)
+        t.auto_set_column_width(list(range(len(cols))))
+    else:
+        ax.text(0.5, 0.5, "no budgets checked", ha="center", va="center")
+    return fig

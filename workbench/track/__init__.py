@@ -1,0 +1,25 @@
+"""Tracking: a logger protocol (wandb, offline by default; a null logger), a reader for wandb
+offline run files, declarative budgets, and run-group comparison.
+
+Importing this package imports pandas but never wandb or matplotlib; those load on use.
+"""
+
+from workbench.track.budgets import (
+    Budget, FakeQuantShare, LossFinite, NoDivergence, PeakMemory, StepTimeRatio,
+    TokensPerSecRatio, ValLossWithin, Verdict, check, default_budgets, publish,
+)
+from workbench.track.compare import Comparison, RunData, compare, load_runs
+from workbench.track.logger import (
+    Logger, NullLogger, TrackingWarning, WandbConfig, WandbLogger, make_logger,
+)
+from workbench.track.metrics import BadMetricsFile, as_metrics, read_metrics
+from workbench.track.offline import OfflineRun, find_runs, read_run
+from workbench.track.wandb_file import CorruptRunFile
+
+__all__ = [
+    "BadMetricsFile", "Budget", "Comparison", "CorruptRunFile", "FakeQuantShare", "Logger",
+    "LossFinite", "NoDivergence", "NullLogger", "OfflineRun", "PeakMemory", "RunData",
+    "StepTimeRatio", "TokensPerSecRatio", "TrackingWarning", "ValLossWithin", "Verdict",
+    "WandbConfig", "WandbLogger", "as_metrics", "check", "compare", "default_budgets",
+    "find_runs", "load_runs", "make_logger", "publish", "read_metrics", "read_run",
+]

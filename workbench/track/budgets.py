@@ -1,0 +1,337 @@
+"""Declarative convergence and performance budgets, checked during and after a run.
+
+A budget is a small frozen dataclass with `evaluate(run, baseline) -> Verdict`. Inputs are
+plain per-step metric frames (see `workbench.track.metrics.as_metrics`): the trainer's
+metrics.jsonl, a wandb offline history, or a partial history of a live run. A verdict is
+`passed=True/False`, or `None` while it cannot be decided yet (step not reached, no baseline,
+metric not logged); `detail` says which.
+
+Baseline-relative budgets compare against the BF16 run of the same seed and data; which run
+that is, is decided by `workbench.track.compare`, not here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+import pandas as pd
+
+from workbench.track.logger import Logger
+from workbench.track.metrics import as_metrics
+
+
+@dataclass(frozen=True)
+class Verdict:
+    budget: str
+    measured: float
+    limit: float
+    passed: bool | None
+    detail: str
+
+
+class Budget(Protocol):
+    @property
+    def name(self) -> str: ...
+    def evaluate(self, run: pd.DataFrame, baseline: pd.DataFrame | None) -> Verdict: ...
+
+
+def _col(df: pd.DataFrame, column: str) -> pd.DataFrame:
+    if column not in df.columns:
+        return pd.DataFrame({"step": [], column: []})
+    return df.loc[df[column].notna(), ["step", column]].astype({column: "float64"})
+
+
+def _positive(name: str, **values: float) -> None:
+    for k, v in values.items():
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{name}: {k} must be a finite number > 0, got {v!r}")
+
+
+# --- convergence -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ValLossWithin:
+    """QAT `metric` is at most `pct` percent above the baseline's at the same step: the last
+    step at or before `at_step` (default: the run's newest step) where the baseline measured
+    it. A NaN there fails."""
+
+    pct: float
+    at_step: int | None = None
+    metric: str = "val_loss"
+
+    def __post_init__(self) -> None:
+        _positive("ValLossWithin", pct=self.pct)
+        if self.at_step is not None and self.at_step < 0:
+            raise ValueError(f"ValLossWithin: at_step must be >= 0, got {self.at_step}")
+
+    @property
+    def name(self) -> str:
+        at = "last" if self.at_step is None else f"step {self.at_step}"
+        return f"{self.metric} within {self.pct:g}% of baseline @ {at}"
+
+    def evaluate(self, run: pd.DataFrame, baseline: pd.DataFrame | None) -> Verdict:
+        def pending(why: str) -> Verdict:
+            return Verdict(self.name, math.nan, self.pct, None, why)
+
+        if baseline is None:
+            return pending("no baseline run")
+        if self.metric not in run.columns:
+            return pending(f"run has no {self.metric} yet")
+        b = _col(baseline, self.metric)
+        last = int(run["step"].max()) if len(run) else -1
+        if self.at_step is not None:
+            if last < self.at_step:
+                return pending(f"run is at step {last} < {self.at_step}")
+            b = b[b["step"] <= self.at_step]
+        # Both runs measure on the same schedule (same config), so a step where the baseline
+        # has a value and the run a NaN cell is a NaN validation loss, not a missing one.
+        steps = [int(s) for s in b["step"] if s <= last]
+        if not steps:
+            return pending(f"no step where both runs measured {self.metric} yet")
+        vals = pd.to_numeric(run.set_index("step")[self.metric], errors="coerce")
+        step = steps[-1]
+        q = float(vals.get(step, math.nan))
+        if math.isnan(q) and step == last and len(steps) > 1:
+            step = steps[-2]  # the newest row of a live run may still lack its validation loss
+            q = float(vals.get(step, math.nan))
+        base = float(b.loc[b["step"] == step, self.metric].iloc[-1])
+        gap = 100.0 * (q - base) / base if math.isfinite(q) else math.inf
+        ok = math.isfinite(gap) and gap <= self.pct
+        return Verdict(self.name, gap, self.pct, ok,
+                       f"step {step}: {q:.6g} vs baseline {base:.6g} ({gap:+.3g}%)")
+
+
+@dataclass(frozen=True)
+class LossFinite:
+    """No value of `metric` is NaN or infinite.
+
+    In a metrics frame a NaN cell can also mean "not logged at this step" (validation loss is
+    measured every few steps). For such metrics set `nan_means_missing=True`: then only
+    infinities count, since the frame cannot tell a logged NaN from a missing value."""
+
+    metric: str = "loss"
+    nan_means_missing: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.metric} finite"
+
+    def evaluate(self, run: pd.DataFrame, baseline: pd.DataFrame | None) -> Verdict:
+        if self.metric not in run.columns:
+            return Verdict(self.name, math.nan, 0, None, f"{self.metric} not logged")
+        v = pd.to_numeric(run[self.metric], errors="coerce").to_numpy(dtype="float64")
+        bad = np.isinf(v) if self.nan_means_missing else ~np.isfinite(v)
+        steps = run["step"].to_numpy()[bad]
+        n = int(bad.sum())
+        logged = int((~np.isnan(v)).sum()) if self.nan_means_missing else len(v)
+        detail = f"first non-finite at step {int(steps.min())}" if n else \
+            f"all {logged} values finite"
+        return Verdict(self.name, float(n), 0, n == 0, detail)
+
+
+@dataclass(frozen=True)
+class NoDivergence:
+    """The `window`-step mean of `metric` never rises above `factor` times its best value so
+    far. `metric` must be logged every step; a NaN counts as +inf (a NaN run has diverged)."""
+
+    window: int = 20
+    factor: float = 1.5
+    metric: str = "loss"
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"NoDivergence: window must be >= 1, got {self.window}")
+        _positive("NoDivergence", factor=self.factor)
+
+    @property
+    def name(self) -> str:
+        return f"no divergence ({self.window}-step mean <= {self.factor:g}x best)"
+
+    def evaluate(self, run: pd.DataFrame, baseline: pd.DataFrame | None) -> Verdict:
+        if self.metric not in run.columns:
+            return Verdict(self.name, math.nan, self.factor, None, f"{self.metric} not logged")
+        v = pd.to_numeric(run[self.metric], errors="coerce").fillna(math.inf)
+        if len(v) < self.window:
+            return Verdict(self.name, math.nan, self.factor, None,
+                           f"{len(v)} of {self.window} steps logged")
+        mean = v.rolling(self.window).mean()
+        # A rolling sum over an inf gives NaN (inf - inf) once the inf leaves the window.
+        mean[np.isinf(v).astype(float).rolling(self.window).max() > 0] = math.inf
+        mean = mean.iloc[self.window - 1:]
+        best = mean.cummin()
+        ratio = (mean / best).fillna(math.inf)  # inf/inf: diverged from the first window on
+        worst = float(ratio.max())
+        at = int(run.loc[ratio.idxmax(), "step"])
+        return Verdict(self.name, worst, self.factor, worst <= self.factor,
+                       f"worst window mean {worst:.3g}x the best so far, at step {at}")
+
+
+# --- performance -------------------------------------------------------------------------
+
+def _median_after(df: pd.DataFrame, column: str, warmup: int) -> tuple[float, int]:
+    c = _col(df, column)
+    # The first steps pay for compilation, allocator growth and data-loader start.
+    c = c.iloc[warmup:] if len(c) > warmup else c.iloc[0:0]
+    return (float(c[column].median()) if len(c) else math.nan), len(c)
+
+
+class _RatioToBaseline:
+    """Shared by the baseline-relative throughput budgets (subclasses declare the fields)."""
+
+    column: str
+    warmup: int
+
+    def _ratio(self, run: pd.DataFrame, baseline: pd.DataFrame | None
+               ) -> tuple[float, str | None]:
+        if baseline is None:
+            return math.nan, "no baseline run"
+        q, nq = _median_after(run, self.column, self.warmup)
+        b, nb = _median_after(baseline, self.column, self.warmup)
+        if nq == 0 or nb == 0:
+            return math.nan, (f"need > {self.warmup} warm-up steps of {self.column} "
+                              f"(run {nq}, baseline {nb} after warm-up)")
+        return q / b, f"median {q:.4g} vs baseline {b:.4g} over {nq}/{nb} steps"
+
+
+@dataclass(frozen=True)
+class StepTimeRatio(_RatioToBaseline):
+    """Median step time after warm-up is at most `max_ratio` x the baseline's."""
+
+    max_ratio: float = 2.0
+    column: str = "step_time_s"
+    warmup: int = 2
+
+    def __post_init__(self) -> None:
+        _positive("StepTimeRatio", max_ratio=self.max_ratio)
+
+    @property
+    def name(self) -> str:
+        return f"step time <= {self.max_ratio:g}x baseline"
+
+    def evaluate(self, run: pd.DataFrame, baseline: pd.DataFrame | None) -> Verdict:
+        ratio, detail = self._ratio(run, baseline)
+        ok = None if math.isnan(ratio) else ratio <= self.max_ratio
+        return Verdict(self.name, ratio, self.max_ratio, ok, detail or "")
+
+
+@dataclass(frozen=True)
+class TokensPerSecRatio(_RatioToBaseline):
+    """Median tokens/s after warm-up is at least `min_ratio` x the baseline's."""
+
+    min_ratio: float = 0.5
+    column: str = "tokens_per_s"
+    warmup: int = 2
+
+    def __post_init__(self) -> None:
+        _positive("TokensPerSecRatio", min_ratio=self.min_ratio)
+
+    @property
+    def name(self) -> str:
+        return f"tokens/s >= {self.min_ratio:g}x baseline"
+
+    def evaluate(self, run: pd.DataFrame, baseline: pd.DataFrame | None) -> Verdict:
+        ratio, detail = self._ratio(run, baseline)
+        ok = None if math.isnan(ratio) else ratio >= self.min_ratio
+        return Verdict(self.name, ratio, self.min_ratio, ok, detail or "")
+
+
+@dataclass(frozen=True)
+class FakeQuantShare:
+    """Median share of step time spent in fake quantization is at most `max_share`."""
+
+    max_share: float = 0.5
+    column: str = "fake_quant_share"
+    warmup: int = 2
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_share <= 1:
+            raise ValueError(f"FakeQuantShare: max_share must be in (0, 1], "
+                             f"got {self.max_share}")
+
+    @property
+    def name(self) -> str:
+        return f"fake-quant share <= {self.max_share:.0%}"
+
+    def evaluate(self, run: pd.DataFrame, baseline: pd.DataFrame | None) -> Verdict:
+        share, n = _median_after(run, self.column, self.warmup)
+        if n == 0:
+            return Verdict(self.name, math.nan, self.max_share, None,
+                           f"{self.column} not logged after {self.warmup} warm-up steps")
+        return Verdict(self.name, share, self.max_share, share <= self.max_share,
+                       f"median over {n} steps")
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    """Peak memory per rank (the largest value logged) is at most `max_gib` GiB."""
+
+    max_gib: float
+    column: str = "peak_mem_gib"
+
+    def __post_init__(self) -> None:
+        _positive("PeakMemory", max_gib=self.max_gib)
+
+    @property
+    def name(self) -> str:
+        return f"peak memory <= {self.max_gib:g} GiB"
+
+    def evaluate(self, run: pd.DataFrame, baseline: pd.DataFrame | None) -> Verdict:
+        c = _col(run, self.column)
+        if c.empty:
+            return Verdict(self.name, math.nan, self.max_gib, None, f"{self.column} not logged")
+        peak = float(c[self.column].max())
+        at = int(c.loc[c[self.column].idxmax(), "step"])
+        return Verdict(self.name, peak, self.max_gib, peak <= self.max_gib,
+                       f"peak {peak:.3g} GiB at step {at}")
+
+
+# --- checking and reporting --------------------------------------------------------------
+
+def default_budgets() -> tuple[Budget, ...]:
+    """A starting point for MXFP4/NVFP4 QAT against BF16; tighten per project."""
+    return (ValLossWithin(pct=2.0), LossFinite(), NoDivergence(window=20, factor=1.5),
+            StepTimeRatio(max_ratio=2.0), FakeQuantShare(max_share=0.5))
+
+
+COLUMNS = ["budget", "measured", "limit", "passed", "detail"]
+
+
+def check(budgets: Sequence[Budget], run: Any, baseline: Any = None) -> pd.DataFrame:
+    """One row per budget: budget, measured, limit, passed (True/False/<NA>), detail.
+    `run`/`baseline`: metric frames, OfflineRuns or run folders (see `as_metrics`)."""
+    r = as_metrics(run)
+    b = None if baseline is None else as_metrics(baseline)
+    rows = [b_.evaluate(r, b).__dict__ for b_ in budgets]
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    table["passed"] = table["passed"].astype("boolean")
+    return table
+
+
+def publish(table: pd.DataFrame, logger: Logger, alerted: set[str] | None = None,
+            run_name: str = "") -> set[str]:
+    """Write verdicts into the run summary and alert once per newly failed budget.
+    Returns the set of budgets alerted so far (pass it back on the next call)."""
+    alerted = set() if alerted is None else set(alerted)
+    values: dict[str, Any] = {}
+    for row in table.itertuples(index=False):
+        passed = None if pd.isna(row.passed) else bool(row.passed)
+        values[f"budget/{row.budget}"] = {"passed": passed, "measured": float(row.measured),
+                                          "limit": float(row.limit), "detail": row.detail}
+    decided = table["passed"].dropna()
+    if (~decided.astype(bool)).any():
+        values["budget/all_passed"] = False
+    else:  # None while some budget is still pending
+        values["budget/all_passed"] = True if len(decided) == len(table) else None
+    logger.summary(values)
+    failed = table[table["passed"].fillna(True).astype(bool).eq(False)]
+    for row in failed.itertuples(index=False):
+        if row.budget in alerted:
+            continue
+        who = f"{run_name}: " if run_name else ""
+        logger.alert(f"budget violated: {row.budget}",
+                     f"{who}measured {row.measured:.4g}, limit {row.limit:.4g}; {row.detail}")
+        alerted.add(row.budget)
+    return alerted

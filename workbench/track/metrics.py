@@ -1,0 +1,73 @@
+"""Per-step metrics as plain DataFrames, from the trainer's metrics.jsonl or a wandb run.
+
+Budgets and comparisons work on one shape only: a DataFrame with an integer `step` column
+(sorted, one row per step) and whatever metric columns were logged (`loss`, `val_loss`,
+`step_time_s`, `tokens_per_s`, ...). `as_metrics` turns every source into that shape.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+if TYPE_CHECKING:
+    from workbench.track.offline import OfflineRun
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class BadMetricsFile(ValueError):
+    """A metrics.jsonl line (other than a partly written last line) is not a JSON object."""
+
+
+def read_metrics(path: str | Path) -> pd.DataFrame:
+    """Read DIR/metrics.jsonl (or the file itself). A last line without its newline is a
+    step being written right now and is skipped, so this is safe on a live run."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / METRICS_FILE
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: no metrics file")
+    text = p.read_text()
+    lines = text.split("\n")
+    if not text.endswith("\n"):
+        lines = lines[:-1]
+    rows: list[dict[str, Any]] = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BadMetricsFile(f"{p}:{i}: not JSON ({exc.msg})") from exc
+        if not isinstance(row, dict):
+            raise BadMetricsFile(f"{p}:{i}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return as_metrics(pd.DataFrame(rows), source=str(p))
+
+
+def as_metrics(obj: pd.DataFrame | OfflineRun | str | Path, source: str = "") -> pd.DataFrame:
+    """Normalize a metrics source to a frame with a sorted, unique integer `step` column."""
+    if isinstance(obj, (str, Path)):
+        return read_metrics(obj)
+    if not isinstance(obj, pd.DataFrame):  # an OfflineRun; avoid importing wandb-side code
+        source = source or f"wandb run {getattr(obj, 'id', '?')}"
+        obj = obj.history
+    df = obj.copy()
+    if "step" not in df.columns:
+        if "_step" not in df.columns:
+            if df.empty:
+                return pd.DataFrame({"step": pd.Series([], dtype="int64")})
+            raise KeyError(f"{source or 'metrics'}: no 'step' or '_step' column "
+                           f"(columns: {list(df.columns)})")
+        df["step"] = df["_step"]
+    df = df[df["step"].notna()]
+    df["step"] = df["step"].astype("int64")
+    if df["step"].duplicated().any():
+        # Several rows for one step (metrics and validation logged apart, or a step redone
+        # after a resume): per column, the latest value logged for that step wins.
+        df = df.groupby("step", sort=False).last().reset_index()
+    return df.sort_values("step", kind="stable").reset_index(drop=True)
