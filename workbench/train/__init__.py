@@ -1,0 +1,1 @@
+"""The QAT trainer: config, shipped corpus, loop, DCP checkpoint/resume (entry: `cli.main`)."""

@@ -1,0 +1,88 @@
+"""Everything the loop needs before step 1: model (EP-sharded), QAT prepare, optimizer, schedule."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from workbench.train.config import TrainConfig
+from workbench.train.distributed import DistInfo
+
+# The routed experts are what QAT fake-quantizes and what the packed export packs; attention,
+# router, dense FFNs, embeddings and lm_head stay BF16 (the Kimi K3 / gpt-oss recipes).
+QAT_SCOPE = "experts"
+
+
+@dataclass
+class Built:
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    qat_report: Any  # workbench.qat's report, None for bf16
+
+
+def lr_factor(i: int, *, warmup: int, steps: int, min_ratio: float) -> float:
+    """Multiplier of the peak LR for step i+1 (i optimizer steps done): linear warmup, cosine."""
+    if i < warmup:
+        return (i + 1) / warmup
+    progress = min(1.0, (i - warmup) / max(1, steps - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_model(cfg: TrainConfig, info: DistInfo) -> nn.Module:
+    from workbench.model import MoEForCausalLM, preset
+
+    mcfg = preset(cfg.preset, max_seq_len=max(cfg.seq, preset(cfg.preset).max_seq_len))
+    if mcfg.num_experts % info.world:
+        raise ValueError(f"preset {cfg.preset!r} has {mcfg.num_experts} experts, which do not "
+                         f"split over EP size {info.world} (EP size = world size)")
+    return MoEForCausalLM(mcfg, seed=cfg.seed, ep_group=info.group, device=info.device,
+                          dtype=torch.float32)
+
+
+def prepare_qat(model: nn.Module, cfg: TrainConfig) -> Any:
+    if cfg.recipe == "bf16":
+        return None
+    try:
+        from workbench.qat import prepare
+    except ImportError as e:
+        raise ImportError(f"recipe {cfg.recipe!r} needs workbench.qat.prepare, which is not "
+                          f"importable here ({e})") from e
+    recipe = cfg.recipe if cfg.profile is None else _with_profile(cfg.recipe, cfg.profile)
+    return prepare(model, recipe=recipe, scope=QAT_SCOPE)
+
+
+def _with_profile(recipe: str, profile: str) -> str:
+    weight, sep, act = recipe.partition("+")
+    return f"{weight}:{profile}{sep}{act}"
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig):
+    # No weight decay on norm gains (1-D); matrices, embeddings and expert stacks decay.
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
+        # One code path on every machine: foreach/fused kernels may round differently.
+        foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(
+        lr_factor, warmup=cfg.warmup, steps=cfg.steps, min_ratio=cfg.min_lr_ratio))
+    return opt, sched
+
+
+def build(cfg: TrainConfig, info: DistInfo) -> Built:
+    model = build_model(cfg, info)
+    if cfg.init:
+        from workbench.train.init import load_init
+
+        load_init(cfg.init, model, info)
+    report = prepare_qat(model, cfg)
+    opt, sched = build_optimizer(model, cfg)
+    return Built(model, opt, sched, report)

@@ -1,0 +1,114 @@
+"""Command line of the QAT trainer (`jobs/qat.py` and `python -m workbench.train.cli`).
+
+    torchrun --nproc-per-node N jobs/qat.py --preset tiny --recipe mxfp4 --steps S --out DIR \\
+        [--resume] [--export compressed-tensors|bf16] [--init CKPT] [--seed N] [--ckpt-every N] \\
+        [--wandb offline|online|disabled] [--run-group G] [--val-every N] [--batch B] [--seq S] \\
+        [--lr LR] [--profile P] [--keep K]
+
+Runs as one process without torchrun too. Flags left out keep the preset's value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from workbench.train.config import EXPORTS, RECIPES, WANDB_MODES, TrainConfig, preset_config
+
+# CLI flag -> TrainConfig field, for the flags whose default comes from the preset.
+_OVERRIDES = {"steps": "steps", "seed": "seed", "ckpt_every": "ckpt_every", "val_every": "val_every",
+              "batch": "batch", "seq": "seq", "lr": "lr", "profile": "profile", "keep": "keep",
+              "warmup": "warmup", "grad_clip": "grad_clip"}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jobs/qat.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", help="model + training preset (tiny, small, ...)")
+    p.add_argument("--recipe", default="bf16", choices=RECIPES)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--out", required=True, help="run directory (metrics, checkpoints, export)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --out (no-op if none)")
+    p.add_argument("--export", choices=EXPORTS, help="write an HF checkpoint to OUT/export")
+    p.add_argument("--init", help="BF16 or packed HF checkpoint to start from")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--ckpt-every", type=int)
+    p.add_argument("--keep", type=int, help="complete checkpoints to keep")
+    p.add_argument("--val-every", type=int)
+    p.add_argument("--batch", type=int, help="GLOBAL batch in sequences (multiple of world size)")
+    p.add_argument("--seq", type=int, help="predicted tokens per sequence")
+    p.add_argument("--lr", type=float, help="peak learning rate")
+    p.add_argument("--warmup", type=int)
+    p.add_argument("--grad-clip", type=float)
+    p.add_argument("--profile", help="codec profile of the weight format (e.g. rceil, floor)")
+    p.add_argument("--wandb", default="offline", choices=WANDB_MODES)
+    p.add_argument("--run-group", help="wandb group (baseline + QAT runs compared together)")
+    p.add_argument("--run-name")
+    p.add_argument("--project", default="workbench")
+    return p
+
+
+def config_from_args(argv: list[str] | None = None) -> TrainConfig:
+    a = parser().parse_args(argv)
+    overrides: dict[str, Any] = {f: getattr(a, k) for k, f in _OVERRIDES.items()
+                                 if getattr(a, k) is not None}
+    return preset_config(a.preset, a.out, recipe=a.recipe, resume=a.resume, export=a.export,
+                         init=a.init, wandb=a.wandb, run_group=a.run_group, run_name=a.run_name,
+                         project=a.project, **overrides)
+
+
+def _install_signal_handlers() -> None:
+    # SIGTERM (torchrun / Slurm before a kill) and SIGUSR2 (Slurm's preemption warning, as
+    # submitit requests it) -> checkpoint at the next step boundary and return.
+    if threading.current_thread() is not threading.main_thread():
+        return
+    from workbench.train.loop import request_stop
+
+    for sig in (signal.SIGTERM, signal.SIGUSR2):
+        if signal.getsignal(sig) in (signal.SIG_DFL, None):
+            signal.signal(sig, lambda signum, frame: request_stop())
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from workbench.train import distributed
+    from workbench.train.loop import clear_stop, train
+
+    cfg = config_from_args(argv)
+    info = distributed.setup()
+    try:
+        cfg.check_world(info.world)
+        resolved = {**cfg.to_dict(), "world_size": info.world, "ep_size": info.world,
+                    "device": str(info.device)}
+        logger = None
+        if info.is_main:
+            out = Path(cfg.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(json.dumps(resolved, indent=1) + "\n")
+            print("[train] config " + json.dumps(resolved, sort_keys=True), flush=True)
+            from workbench.track.logger import make_logger
+
+            logger = make_logger(cfg.wandb, rank=info.rank, project=cfg.project,
+                                 group=cfg.run_group, name=cfg.run_name or Path(cfg.out).name,
+                                 dir=str(cfg.out), config=resolved)
+            logger.log_config(resolved)
+        _install_signal_handlers()
+        clear_stop()
+        try:
+            result = train(cfg, info, logger=logger)
+        finally:
+            if logger is not None:
+                logger.finish()
+        if logger is not None and not result["stopped"]:
+            logger.summary({k: v for k, v in result.items() if isinstance(v, (int, float, str))})
+        return result
+    finally:
+        distributed.teardown(info)
+
+
+if __name__ == "__main__":
+    main()

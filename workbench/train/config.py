@@ -1,0 +1,127 @@
+"""The trainer's typed configuration: one frozen dataclass, presets as functions, CLI overrides.
+
+`batch` is the GLOBAL batch in sequences: every EP size trains on the same global batch and rank r
+takes rows [r*batch/W, (r+1)*batch/W) (see `workbench.train.data`), so `batch` must be a multiple
+of the world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+RECIPES = ("bf16", "mxfp4", "mxfp4+mxfp8", "nvfp4")
+EXPORTS = ("compressed-tensors", "bf16")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    out: str
+    preset: str = "tiny"  # model preset of workbench.model.config.PRESETS
+    recipe: str = "bf16"
+    profile: str | None = None  # codec profile of the weight format (None = format default)
+    steps: int = 20
+    batch: int = 8  # global sequences per step
+    seq: int = 64  # tokens per sequence (inputs; one more token is read for the labels)
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    warmup: int = 5
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0  # global L2 norm; 0 disables clipping (the norm is still logged)
+    val_every: int = 10  # 0 disables validation
+    val_batches: int = 2
+    ckpt_every: int = 10  # 0: only the final / preemption checkpoint
+    keep: int = 2  # complete checkpoints kept on disk
+    seed: int = 0
+    resume: bool = False
+    init: str | None = None  # BF16 or packed HF checkpoint to start from
+    export: str | None = None  # None, "compressed-tensors" or "bf16"
+    wandb: str = "offline"
+    run_group: str | None = None
+    project: str = "workbench"
+    run_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.out:
+            raise ValueError("TrainConfig.out (the run directory, --out) must be set")
+        if self.recipe not in RECIPES:
+            raise ValueError(f"recipe {self.recipe!r} is not one of {RECIPES}")
+        if self.recipe == "bf16" and self.profile is not None:
+            raise ValueError("--profile applies to a quantized recipe; recipe bf16 has none")
+        for name in ("steps", "batch", "seq", "val_batches", "keep"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"TrainConfig.{name} must be a positive int, got {v!r}")
+        for name in ("warmup", "val_every", "ckpt_every", "seed"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"TrainConfig.{name} must be an int >= 0, got {v!r}")
+        if not self.lr > 0:
+            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"TrainConfig.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"Adam betas must lie in [0, 1), got {self.beta1}, {self.beta2}")
+        if self.grad_clip < 0 or self.weight_decay < 0 or self.adam_eps <= 0:
+            raise ValueError("grad_clip and weight_decay must be >= 0 and adam_eps > 0")
+        if self.export is not None and self.export not in EXPORTS:
+            raise ValueError(f"export {self.export!r} is not one of {EXPORTS}")
+        if self.export == "compressed-tensors" and self.recipe not in ("mxfp4", "nvfp4",
+                                                                        "mxfp4+mxfp8"):
+            raise ValueError(f"--export compressed-tensors packs the recipe's weight format; "
+                             f"recipe {self.recipe!r} has none (use --export bf16)")
+        if self.wandb not in WANDB_MODES:
+            raise ValueError(f"wandb mode {self.wandb!r} is not one of {WANDB_MODES}")
+
+    @property
+    def weight_format(self) -> str | None:
+        """The format the routed-expert weights are fake-quantized in (None for bf16)."""
+        return None if self.recipe == "bf16" else self.recipe.split("+")[0]
+
+    def check_world(self, world_size: int) -> None:
+        if self.batch % world_size:
+            raise ValueError(f"global batch {self.batch} must be a multiple of the world size "
+                             f"{world_size} (each rank trains on batch/world sequences)")
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Presets: the training hyper-parameters that fit each model preset of the same name.
+
+def tiny(out: str, **overrides: Any) -> TrainConfig:
+    """CPU tests: seconds for 20 steps."""
+    return TrainConfig(out=out, preset="tiny", batch=8, seq=64, lr=3e-3, warmup=5,
+                       val_every=10, ckpt_every=10).replace(**overrides)
+
+
+def small(out: str, **overrides: Any) -> TrainConfig:
+    """CPU demo: a visibly falling loss in a few minutes."""
+    return TrainConfig(out=out, preset="small", batch=16, seq=128, lr=2e-3, warmup=20,
+                       steps=200, val_every=25, ckpt_every=50).replace(**overrides)
+
+
+def gpu(out: str, preset: str, **overrides: Any) -> TrainConfig:
+    """GPU-sized model presets (real expert shapes): short sequences, a low LR for QAT fine-tunes."""
+    return TrainConfig(out=out, preset=preset, batch=32, seq=1024, lr=1e-4, warmup=50,
+                       steps=500, val_every=100, ckpt_every=100).replace(**overrides)
+
+
+def preset_config(name: str, out: str, **overrides: Any) -> TrainConfig:
+    if name == "tiny":
+        return tiny(out, **overrides)
+    if name == "small":
+        return small(out, **overrides)
+    from workbench.model.config import PRESETS
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return gpu(out, name, **overrides)

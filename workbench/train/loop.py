@@ -1,0 +1,220 @@
+"""The training loop: AdamW + warmup/cosine, global gradient clipping, validation, metrics, DCP.
+
+Legend: B global batch, b = B/W per-rank batch, S predicted tokens per sequence, W world size.
+
+Under expert parallelism (EP size = world size, see `workbench.train.distributed`) every rank runs
+this same code on its slice of the global batch; `workbench.model.sync_gradients` turns the
+gradients into those of the mean of the ranks' losses, i.e. of the EP1 loss on the whole batch.
+
+Preemption seam: `request_stop()` only sets a flag (safe inside a signal handler). At every step
+boundary the ranks all-reduce it; if any rank asked, all ranks write a DCP checkpoint and
+`train` returns with `stopped=True`. Nothing else in the loop is interrupted mid-step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from workbench.train import checkpointing as ckpt
+from workbench.train.build import build
+from workbench.train.config import TrainConfig
+from workbench.train.data import global_batch, load_corpus, rank_slice
+from workbench.train.distributed import DistInfo, all_reduce_sum, barrier
+from workbench.train.metrics import MetricsWriter, truncate_metrics
+
+_stop_requested = False
+
+
+def request_stop() -> None:
+    """Ask the loop to checkpoint and return at the next step boundary (signal-handler safe)."""
+    global _stop_requested
+    _stop_requested = True
+
+
+def clear_stop() -> None:
+    global _stop_requested
+    _stop_requested = False
+
+
+def _any_rank_stopping(info: DistInfo) -> bool:
+    flag = torch.tensor([1.0 if _stop_requested else 0.0], device=info.device)
+    return bool(all_reduce_sum(flag, info).item() > 0)
+
+
+def _mean_over_ranks(x: float, info: DistInfo) -> float:
+    t = torch.tensor([x], dtype=torch.float64, device=info.device)
+    return float(all_reduce_sum(t, info).item()) / info.world
+
+
+def global_grad_norm(model: torch.nn.Module, info: DistInfo) -> torch.Tensor:
+    """L2 norm of the full gradient: replicated dense grads counted once, expert shards summed."""
+    from workbench.model import is_expert_param
+
+    dense = torch.zeros((), dtype=torch.float64, device=info.device)
+    expert = torch.zeros((), dtype=torch.float64, device=info.device)
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().double().pow(2).sum()
+        if is_expert_param(model, name):
+            expert += sq
+        else:
+            dense += sq
+    return (dense + all_reduce_sum(expert, info)).sqrt()
+
+
+def _clip_(model: torch.nn.Module, norm: torch.Tensor, max_norm: float) -> None:
+    if max_norm <= 0:
+        return
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype))
+
+
+def _autocast(info: DistInfo):
+    # bf16 autocast on GPU only: CPU bf16 matmuls are slow and round differently per kernel.
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=info.device.type == "cuda")
+
+
+def _peak_mem_gib(info: DistInfo) -> float:
+    if info.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(info.device) / 2**30
+    # CPU: the process's peak resident set (Linux reports KiB).
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+@torch.no_grad()
+def validate(model, val_tokens: torch.Tensor, cfg: TrainConfig, info: DistInfo) -> float:
+    model.eval()
+    total = 0.0
+    for i in range(cfg.val_batches):
+        tok_BS = rank_slice(global_batch(val_tokens, seed=cfg.seed, index=i, batch=cfg.batch,
+                                         seq=cfg.seq, split="val"), info.rank, info.world)
+        tok_BS = tok_BS.to(info.device)
+        with _autocast(info):
+            out = model(tok_BS, labels_BS=tok_BS)
+        total += float(out.ce_loss)
+    model.train()
+    return _mean_over_ranks(total / cfg.val_batches, info)
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
+          on_step: Callable[[dict], None] | None = None, return_model: bool = False):
+    """Run (or resume) `cfg` on this rank; every rank calls it. Returns the result dict
+    (JSON-able; submitit pickles it back to the caller), or (result, model) with return_model."""
+    from workbench.model import sync_gradients
+
+    cfg.check_world(info.world)
+    out = Path(cfg.out)
+    if info.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    barrier(info)
+    torch.manual_seed(cfg.seed + info.rank)
+    b = build(cfg, info)
+    model, opt, sched = b.model, b.opt, b.sched
+    corpus = load_corpus()
+
+    start = 0
+    found = ckpt.newest_complete(out) if cfg.resume else None
+    if found is not None:
+        start = ckpt.load(found, model, opt, sched, info)
+        if info.is_main:
+            print(f"[train] resumed from {found.path} (step {start})", flush=True)
+    if info.is_main:
+        truncate_metrics(out, start) if cfg.resume else (out / "metrics.jsonl").unlink(
+            missing_ok=True)
+    barrier(info)
+    writer = MetricsWriter(out) if info.is_main else None
+    tokens_per_step = cfg.batch * cfg.seq
+    meta = {"recipe": cfg.recipe, "preset": cfg.preset, "seed": cfg.seed}
+
+    stopped = False
+    last_saved = start if found is not None else -1
+    last: dict[str, Any] = {}
+    step = start
+    model.train()
+    try:
+        while step < cfg.steps:
+            if _any_rank_stopping(info):
+                stopped = True
+                break
+            step += 1
+            t0 = time.perf_counter()
+            tok_BS = rank_slice(global_batch(corpus.train, seed=cfg.seed, index=step,
+                                             batch=cfg.batch, seq=cfg.seq),
+                                info.rank, info.world).to(info.device)
+            with _autocast(info):
+                res = model(tok_BS, labels_BS=tok_BS)
+            res.loss.backward()
+            if info.group is not None:
+                sync_gradients(model, info.group)
+            norm = global_grad_norm(model, info)
+            _clip_(model, norm, cfg.grad_clip)
+            lr = opt.param_groups[0]["lr"]
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            loss = _mean_over_ranks(float(res.ce_loss.detach()), info)
+            dt = time.perf_counter() - t0
+            rec: dict[str, Any] = {
+                "step": step, "loss": loss, "grad_norm": float(norm), "lr": lr,
+                "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                "aux_loss": float(res.aux_loss.detach()) if res.aux_loss is not None else None,
+                "peak_mem_gib": _peak_mem_gib(info),
+            }
+            if cfg.val_every and (step % cfg.val_every == 0 or step == cfg.steps):
+                rec["val_loss"] = validate(model, corpus.val, cfg, info)
+            if not math.isfinite(loss):
+                rec["diverged"] = True
+            if info.is_main:
+                writer.write(rec)
+                if logger is not None:
+                    logger.log({k: v for k, v in rec.items() if k != "step"}, step)
+                if on_step is not None:
+                    on_step(rec)
+            last = rec
+            if cfg.ckpt_every and step % cfg.ckpt_every == 0 and step < cfg.steps:
+                ckpt.save(out, model, opt, sched, step, info, keep=cfg.keep, meta=meta)
+                last_saved = step
+        if last_saved != step:  # final or preemption checkpoint
+            ckpt.save(out, model, opt, sched, step, info, keep=cfg.keep, meta=meta)
+    finally:
+        if writer is not None:
+            writer.close()
+
+    result: dict[str, Any] = {
+        "step": step, "steps": cfg.steps, "stopped": stopped, "world_size": info.world,
+        "recipe": cfg.recipe, "preset": cfg.preset, "final_loss": last.get("loss"),
+        "final_val_loss": last.get("val_loss"),
+        "checkpoint": str(ckpt.checkpoint_root(out) / f"step_{step:08d}"),
+    }
+    if not stopped and cfg.export:
+        from workbench.checkpoint.export import export_model
+
+        path = export_model(model, out / "export", fmt=cfg.export, recipe=cfg.recipe,
+                            profile=cfg.profile, group=info.group)
+        result["export"] = str(path)
+    if info.is_main:
+        _write_json_atomic(out / "result.json", result)
+    barrier(info)
+    return (result, model) if return_model else result
