@@ -89,7 +89,8 @@ def test_resumed_segments_merge_into_one_curve(wandb_dir):
     assert list(run.history["_step"]) == list(range(8))
     assert list(run.history["loss"]) == expected
     assert run.config == {"attempt": 2}
-    first = read_run(sorted(run.paths)[0])
+    first = read_run(run.paths[0])  # paths are in attempt order
+    assert first.config == {"attempt": 1}
     assert list(first.history["loss"]) == [10.0 + s for s in range(6)]
 
 
