@@ -1,51 +1,199 @@
-"""NVFP4: E2M1 elements, one E4M3 scale per 16 elements, one fp32 per-tensor scale.
+"""NVFP4: E2M1 elements, one E4M3 scale per 16 elements, one fp32 global scale per tensor.
 
-PRELIMINARY: only the torchao profile's ordinary path; the te / modelopt-export /
-compressed-tensors profiles and special values are being completed against their libraries.
+Four libraries agree on the format and disagree on every operation order (FORMATS.md, NVFP4
+table), so each is a row of ``PROFILES``: an ``NVFP4Profile`` whose fields are the library's own
+steps, transcribed from its source (versions pinned in pyproject's ``dev`` extra):
+
+- ``torchao``: ``torchao/prototype/mx_formats/nvfp4_tensor.py`` ``nvfp4_quantize`` and
+  ``NVFP4Tensor.dequantize`` (0.18).
+- ``te``: Transformer Engine's CUDA kernels ``cast/nvfp4/core_nvfp4.cuh`` (global and block scale,
+  the ``quantization_and_transposition_SF`` variant used by ``quantize_transpose_nvfp4``) and
+  ``dequantize_nvfp4.cuh``. TE cannot run here; ``nvfp4_profiles.py`` says what is assumed for NaN.
+- ``modelopt-export``: ModelOpt 0.47 ``NVFP4QTensor.quantize`` / ``dequantize``.
+- ``compressed-tensors``: 0.20.1 ``generate_gparam`` + ``calculate_qparams`` (fp32 observer
+  statistics) + ``quantize_and_pack_fp4`` / ``NVFP4PackedCompressor.decompress``.
+
+``QuantizedTensor.global_scale`` is always the decode-direction fp32 scale ``d``
+(x ~ code * scale * d). Each library stores its own form (``library_global``): torchao and ModelOpt
+store ``d`` itself, TE the fp32 amax, compressed-tensors ``2688/amax``. The conversion
+``d <-> library_global`` is exact for torchao/ModelOpt and lossy by up to one fp32 ulp for TE and
+compressed-tensors (about 15% of values do not survive ``1/(1/g)``), and those two libraries decode
+from their own form. ``dequantize_nvfp4(..., library_global=g)`` therefore decodes bit-exactly when
+the library form is known (checkpoints carry it); without it the form is recovered from ``d``.
+
+Shape legend: ``x_RK`` input with leading dims R and last dim K; ``b_RB`` per-block values
+(B = K/16 blocks); ``x_RBS`` blocked input (S = 16 elements per block); ``g`` a library global,
+0-dim or ``[E, 1, 1]`` (one per expert of a 3-D stack).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 
-from .constants import E2M1_MAX, E4M3_MAX, NVFP4_BLOCK, NVFP4_GLOBAL_DIVISOR
+from .constants import E2M1_SIGN_BIT, NVFP4_BLOCK, NVFP4_GLOBAL_DIVISOR
 from .elements import e2m1_decode, e2m1_encode, pack_fp4, unpack_fp4
+from .nvfp4_profiles import PROFILES, NVFP4Profile, get_profile
 
-_E4M3_MIN_NORMAL = 2.0**-6
+Tensor = torch.Tensor
+__all__ = [
+    "PROFILES", "NVFP4Parts", "NVFP4Profile", "dequantize_nvfp4", "from_library_global",
+    "get_profile", "quantize_nvfp4", "quantize_nvfp4_parts", "to_library_global",
+]
 
 
-def _blocks(x: torch.Tensor) -> torch.Tensor:
+def _blocks(x: Tensor) -> Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
 
 
-def quantize_nvfp4(
-    x: torch.Tensor, profile: str, global_amax: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if profile != "torchao":
-        raise NotImplementedError(f"NVFP4 profile {profile!r} is not implemented yet")
-    xf = x.float()
-    amax = xf.abs().amax() if global_amax is None else global_amax.float()
-    pts = amax / NVFP4_GLOBAL_DIVISOR
-    xb = _blocks(xf)
-    bamax = xb.abs().amax(-1)
-    pts_b = pts.reshape(pts.shape + (1,) * 0) if pts.dim() == 0 else pts
-    s = ((bamax / E2M1_MAX) / pts_b).clamp(_E4M3_MIN_NORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
-    v = xb * ((1.0 / pts_b).unsqueeze(-1) / s.float().unsqueeze(-1)) if pts.dim() else xb * (
-        (1.0 / pts) / s.float().unsqueeze(-1)
+# --- global scale forms ----------------------------------------------------------------------
+
+
+def from_library_global(g: Tensor | float, profile: str) -> Tensor:
+    """A library's stored global (ModelOpt ``weight_scale_2``, compressed-tensors
+    ``weight_global_scale``, TE amax, torchao ``per_tensor_scale``) -> decode-direction fp32."""
+    form = get_profile(profile).global_form
+    g = torch.as_tensor(g, dtype=torch.float32)
+    if form == "decode":
+        return g
+    if form == "amax":
+        return g / NVFP4_GLOBAL_DIVISOR
+    return 1.0 / g
+
+
+def to_library_global(d: Tensor | float, profile: str) -> Tensor:
+    """Decode-direction fp32 global -> the form the profile's library stores (inverse of
+    ``from_library_global``; exact for torchao/ModelOpt, within one ulp for TE/compressed-tensors)."""
+    form = get_profile(profile).global_form
+    d = torch.as_tensor(d, dtype=torch.float32)
+    if form == "decode":
+        return d
+    if form == "amax":
+        return d * NVFP4_GLOBAL_DIVISOR
+    return 1.0 / d
+
+
+# --- the one encode path ---------------------------------------------------------------------
+
+
+class NVFP4Parts(NamedTuple):
+    data: Tensor  # uint8 [..., K/2]
+    scale: Tensor  # float8_e4m3fn [..., K/16]
+    global_scale: Tensor  # decode direction, 0-dim or [E, 1, 1]
+    library_global: Tensor  # the same global in the form the profile's library stores
+
+
+def _resolve_amax(x: Tensor, global_amax: Tensor | float | None, prof: NVFP4Profile) -> Tensor:
+    if global_amax is None:
+        return prof.amax(x.float())
+    a = torch.as_tensor(global_amax, dtype=torch.float32, device=x.device)
+    if a.numel() == 1:
+        return a.reshape(())
+    per_expert = (x.shape[0],) + (1,) * (x.dim() - 1)
+    if x.dim() >= 2 and tuple(a.shape) == per_expert:
+        return a
+    raise ValueError(
+        f"global_amax must be a scalar or shape {list(per_expert)} (one per leading index) for an "
+        f"input of shape {list(x.shape)}, got shape {list(a.shape)}"
     )
-    data = pack_fp4(e2m1_encode(v.reshape(x.shape)))
-    return data, s, pts
+
+
+def _tile_amax(x_RBS: Tensor, amax: Callable[..., Tensor], tile_rows: int) -> Tensor:
+    """Block amax over ``tile_rows`` x 16 tiles, repeated on every row of the tile."""
+    if tile_rows == 1:
+        return amax(x_RBS, -1)
+    rows = x_RBS.shape[-3]
+    if x_RBS.dim() < 3 or rows % tile_rows:
+        raise ValueError(
+            f"{tile_rows}x16 tiles need a row dim (-2) that is a multiple of {tile_rows}, "
+            f"got shape {list(x_RBS.shape[:-2]) + [x_RBS.shape[-2] * NVFP4_BLOCK]}"
+        )
+    t = x_RBS.reshape(*x_RBS.shape[:-3], rows // tile_rows, tile_rows, *x_RBS.shape[-2:])
+    tile_TB = amax(amax(t, -1), -2)
+    return tile_TB.repeat_interleave(tile_rows, dim=-2)
+
+
+def _round(v: Tensor, prof: NVFP4Profile) -> Tensor:
+    codes = e2m1_encode(v, ties="even")  # every library rounds to nearest even and saturates
+    if prof.zero_sign == "negative":
+        codes = torch.where(v < 0, codes | E2M1_SIGN_BIT, codes & 0x7)
+    nan = torch.isnan(v)
+    if prof.nan_code is not None:
+        codes = torch.where(nan, prof.nan_code(v), codes)
+    else:
+        codes = torch.where(nan, torch.signbit(v).to(torch.uint8) * E2M1_SIGN_BIT, codes)
+    return codes
+
+
+def quantize_nvfp4_parts(
+    x: Tensor,
+    profile: str,
+    global_amax: Tensor | float | None = None,
+    *,
+    tile_rows: int = 1,
+) -> NVFP4Parts:
+    """Quantize ``x`` (last dim a multiple of 16) exactly as ``profile``'s library does.
+
+    ``global_amax`` replaces the tensor amax (scalar, or ``[E, 1, ...]`` for one global per
+    leading index). ``tile_rows=16`` (``te`` only) takes one scale per 16x16 tile of the last two
+    dims, as TE does for weights; the tile scale is stored on each of its 16 rows, so ``scale``
+    keeps the ``[..., K/16]`` shape and every decoder treats it like 1x16 scales.
+    """
+    prof = get_profile(profile)
+    if tile_rows not in (1, NVFP4_BLOCK):
+        raise ValueError(f"tile_rows must be 1 or {NVFP4_BLOCK}, got {tile_rows}")
+    if tile_rows != 1 and prof.name != "te":
+        raise ValueError(f"16x16 tiles are Transformer Engine's weight layout; profile {profile!r} "
+                         "has only 1x16 blocks")
+    if x.numel() == 0:
+        raise ValueError(f"cannot quantize an empty tensor of shape {list(x.shape)}")
+    if x.shape[-1] % NVFP4_BLOCK:
+        raise ValueError(f"nvfp4 needs a last dim that is a multiple of {NVFP4_BLOCK}, "
+                         f"got shape {list(x.shape)}")
+    g = prof.global_from_amax(_resolve_amax(x, global_amax, prof))
+    x_RBS = _blocks(x.float())
+    s_RB = prof.block_scale(_tile_amax(x_RBS, prof.amax, tile_rows), g)
+    v_RBS = prof.scaled(x_RBS, s_RB, g)
+    data = pack_fp4(_round(v_RBS, prof).reshape(x.shape))
+    return NVFP4Parts(data, s_RB, from_library_global(g, profile), g)
+
+
+def quantize_nvfp4(
+    x: Tensor, profile: str, global_amax: Tensor | float | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(data, scale, decode-direction global) for ``api.quantize``."""
+    parts = quantize_nvfp4_parts(x, profile, global_amax)
+    return parts.data, parts.scale, parts.global_scale
 
 
 def dequantize_nvfp4(
-    data: torch.Tensor,
-    scale: torch.Tensor,
-    global_scale: torch.Tensor,
+    data: Tensor,
+    scale: Tensor,
+    global_scale: Tensor,
     profile: str,
     dtype: torch.dtype,
-) -> torch.Tensor:
-    vals = e2m1_decode(unpack_fp4(data))
-    gs = global_scale.float()
-    s = scale.float() * (gs if gs.dim() == 0 else gs)
-    vb = _blocks(vals) * s.unsqueeze(-1)
-    return vb.reshape(vals.shape).to(dtype)
+    *,
+    library_global: Tensor | None = None,
+) -> Tensor:
+    """Decode with ``profile``'s library arithmetic; ``library_global`` (its own stored form)
+    makes TE and compressed-tensors decodes bit-exact where ``global_scale`` alone cannot."""
+    prof = get_profile(profile)
+    if data.dtype != torch.uint8:
+        raise TypeError(f"nvfp4 data must be uint8 (two codes per byte), got {data.dtype}")
+    if scale.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"nvfp4 scales must be float8_e4m3fn, got {scale.dtype}")
+    k = data.shape[-1] * 2
+    if k % NVFP4_BLOCK or tuple(scale.shape) != (*data.shape[:-1], k // NVFP4_BLOCK):
+        raise ValueError(f"nvfp4 scale shape {list(scale.shape)} does not match data shape "
+                         f"{list(data.shape)} (expected [..., {k // NVFP4_BLOCK}])")
+    g = to_library_global(global_scale, profile) if library_global is None else library_global
+    g = torch.as_tensor(g, dtype=torch.float32, device=data.device)
+    if g.numel() == 1:
+        g = g.reshape(())
+    codes = unpack_fp4(data)
+    c = e2m1_decode(codes)
+    if not prof.decode_neg_zero:
+        c = torch.where(codes == E2M1_SIGN_BIT, torch.zeros_like(c), c)
+    return prof.decode(_blocks(c), scale, g).reshape(c.shape).to(dtype)
