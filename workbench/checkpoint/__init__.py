@@ -1,0 +1,33 @@
+"""Checkpoint I/O: lazy sharded safetensors, quantization_config, validation, logical views.
+
+```python
+from workbench.checkpoint import open_checkpoint, CheckpointError
+ck = open_checkpoint(path)      # validates everything at open; CheckpointError subclasses
+ck.layout                       # "compressed-tensors" | "gpt-oss" | "modelopt" | "fp8-block" | "dense"
+ck.scope.is_quantized(name)     # QuantScope built from the stored metadata, with .reason(name)
+ck.experts()                    # routed records: .layer .expert .proj .kind .name .shape
+ck.expert_weight(layer, expert, proj)[rows, cols]   # decoded bf16, reads only needed blocks
+ck.stacked_experts(layer, proj)[e0:e1]              # [E, out, in] view
+```
+No transformers import here: safetensors + json + torch (+ workbench.formats to decode).
+"""
+
+from .checkpoint import Checkpoint, open_checkpoint
+from .config import ConfigGroup, QuantConfig, WeightArgs, load_quant_config
+from .errors import (CheckpointError, ConfigError, CorruptShardError, DtypeMismatchError,
+                     FormatMismatchError, MissingCompanionError, MissingFileError,
+                     MissingTensorError, ShapeMismatchError, UncoveredTensorError,
+                     UnknownFormatError, UnsafePathError, ValidationError)
+from .experts import ExpertRecord
+from .index import ShardIndex, TensorEntry
+from .layouts import LogicalSpec
+from .views import LogicalTensor, StackView, StoredView
+
+__all__ = [
+    "Checkpoint", "CheckpointError", "ConfigError", "ConfigGroup", "CorruptShardError",
+    "DtypeMismatchError", "ExpertRecord", "FormatMismatchError", "LogicalSpec", "LogicalTensor",
+    "MissingCompanionError", "MissingFileError", "MissingTensorError", "QuantConfig",
+    "ShapeMismatchError", "ShardIndex", "StackView", "StoredView", "TensorEntry",
+    "UncoveredTensorError", "UnknownFormatError", "UnsafePathError", "ValidationError",
+    "WeightArgs", "load_quant_config", "open_checkpoint",
+]

@@ -1,0 +1,149 @@
+"""`open_checkpoint`: one object over a checkpoint folder (see the package docstring)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..scope import QuantScope
+from .config import QuantConfig, load_quant_config
+from .errors import CheckpointError, MissingTensorError, ValidationError
+from .experts import ExpertRecord, expert_records
+from .index import ShardIndex
+from .layouts import FMT_OF_CODEC, LogicalSpec, build
+from .views import LogicalTensor, StackView, StoredView
+
+
+class Checkpoint:
+    """A validated, lazily read checkpoint. Build with `open_checkpoint(path)`."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.index = ShardIndex(self.path)
+        self.config, self.quant_config = load_quant_config(self.path)
+        built = build(self.index, self.quant_config)
+        raise_all(built.problems, self.path)
+        self.layout: str = built.layout
+        self.scope: QuantScope = built.scope
+        self.extras: list[str] = built.extras
+        self._specs: dict[str, LogicalSpec] = built.logicals
+        shapes = {n: s.shape for n, s in self._specs.items()}
+        try:
+            self._records = expert_records(shapes, fused_interleaved=self.layout == "gpt-oss")
+        except ValueError as e:
+            raise CheckpointError(str(e), path=self.path) from e
+        self._by_key: dict[tuple, ExpertRecord] = {}
+        dup = []
+        for r in self._records:
+            k = (r.kind, r.layer, r.expert, r.proj)
+            if k in self._by_key:
+                dup.append(CheckpointError(f"expert {r.key} stored twice: {r.name!r} and "
+                                           f"{self._by_key[k].name!r}", path=self.path,
+                                           tensor=r.name))
+            self._by_key[k] = r
+        raise_all(dup, self.path)
+
+    # -- metadata ---------------------------------------------------------------------------
+    def logical_names(self) -> list[str]:
+        return list(self._specs)
+
+    def spec(self, name: str) -> LogicalSpec:
+        try:
+            return self._specs[name]
+        except KeyError:
+            raise MissingTensorError("no such logical tensor", path=self.path, tensor=name
+                                     ) from None
+
+    def recipe_of(self, name: str):
+        """Stored format of a logical weight: a `workbench.formats.Recipe` for MX/NVFP4 (profile
+        = the library whose decoder the layout follows), a codec string for INT4 / FP8
+        (`"int4"`, `"fp8"`, `"fp8-block"`), None for dense tensors."""
+        spec = self.spec(name)
+        if spec.codec is None:
+            return None
+        if spec.codec in FMT_OF_CODEC:
+            from workbench.formats import Recipe
+
+            return Recipe(FMT_OF_CODEC[spec.codec], spec.profile)
+        return spec.codec
+
+    # -- views ------------------------------------------------------------------------------
+    def tensor(self, name: str, *, keep_dtype: bool = False) -> LogicalTensor:
+        """Logical view of one weight; dense tensors keep their stored dtype if asked."""
+        return StoredView(self.index, self.spec(name), keep_dtype=keep_dtype)
+
+    def experts(self) -> list[ExpertRecord]:
+        """Routed expert records (one per layer x expert x gate/up/down)."""
+        return self.expert_records("routed")
+
+    def expert_records(self, kind: str | None = None) -> list[ExpertRecord]:
+        if kind not in (None, "routed", "shared", "dense"):
+            raise ValueError(f"kind must be routed, shared, dense or None, got {kind!r}")
+        return [r for r in self._records if kind is None or r.kind == kind]
+
+    def record(self, layer: int, expert: int, proj: str, kind: str = "routed") -> ExpertRecord:
+        try:
+            return self._by_key[(kind, layer, expert, proj)]
+        except KeyError:
+            raise MissingTensorError(f"no {kind} expert (layer {layer}, expert {expert}, "
+                                     f"proj {proj!r})", path=self.path) from None
+
+    def view_of(self, rec: ExpertRecord) -> LogicalTensor:
+        spec = self.spec(rec.name)
+        return StoredView(self.index, spec, lead=rec.lead,
+                          rows=(rec.row_offset, rec.row_stride, rec.shape[0]),
+                          name=f"{rec.name}[{rec.key}]")
+
+    def expert_weight(self, layer: int, expert: int, proj: str, kind: str = "routed"
+                      ) -> LogicalTensor:
+        """Logical BF16 view `[out, in]` of one expert projection."""
+        return self.view_of(self.record(layer, expert, proj, kind))
+
+    def num_experts(self, layer: int) -> int:
+        return len({r.expert for r in self._records if r.kind == "routed" and r.layer == layer})
+
+    def stacked_experts(self, layer: int, proj: str) -> LogicalTensor:
+        """`[E, out, in]` view of a layer's routed experts; slicing E reads only those experts."""
+        recs = [r for r in self._records if r.kind == "routed" and r.layer == layer
+                and r.proj == proj]
+        if not recs:
+            raise MissingTensorError(f"no routed experts for layer {layer}, proj {proj!r}",
+                                     path=self.path)
+        recs.sort(key=lambda r: r.expert)
+        if [r.expert for r in recs] != list(range(len(recs))):
+            raise CheckpointError(f"layer {layer} {proj}: experts {[r.expert for r in recs]} are "
+                                  "not 0..E-1", path=self.path)
+        r0 = recs[0]
+        if r0.lead is not None and all(r.name == r0.name for r in recs):
+            # one fused 3-D tensor: a single strided view reads the expert range in one request
+            return StoredView(self.index, self.spec(r0.name), lead=None,
+                              rows=(r0.row_offset, r0.row_stride, r0.shape[0]),
+                              name=f"{r0.name}[{proj}]")
+        return StackView(f"layers.{layer}.experts.{proj}", [self.view_of(r) for r in recs])
+
+    def close(self) -> None:
+        self.index.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        n = len(self.experts())
+        return (f"Checkpoint({str(self.path)!r}, layout={self.layout!r}, "
+                f"tensors={len(self._specs)}, routed expert weights={n})")
+
+
+def raise_all(problems: list[CheckpointError], path: Path) -> None:
+    """One problem: raise it (its own subclass); several: one ValidationError listing all."""
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise ValidationError(problems, path=path)
+
+
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Open and validate a checkpoint folder; raises a `CheckpointError` subclass on bad input."""
+    return Checkpoint(path)

@@ -1,0 +1,59 @@
+"""Decoders for stored formats that `workbench.formats` does not cover, or covers differently.
+
+* FP8 block (DeepSeek-V3 `weight_scale_inv`): `y = fp8.float() * scale_inv[r // 128, c // 128]`
+  in fp32, then bf16 -- the order of DeepSeek's reference `weight_dequant`.
+* INT4 `pack-quantized` (compressed-tensors, Kimi K2): 8 codes per int32 word, element i at bits
+  4i..4i+3 (little-endian bytes, low nibble first), stored with offset +8; decode
+  `(code - 8).to(scale.dtype) * scale` like compressed-tensors' `_dequantize` (bf16 math when the
+  scale is bf16).
+* FP8 with a per-tensor / per-channel scale (compressed-tensors `float-quantized`):
+  `fp8.to(scale.dtype) * scale`.
+* compressed-tensors NVFP4: its `weight_global_scale` is stored in the *encode* direction and
+  its decoder computes `code * (scale / global_scale)` in fp32; `workbench.formats` decodes with
+  a decode-direction scale (`code * scale * g`), which can differ by an ulp. We take the E2M1
+  values from `workbench.formats` (unit scales) and apply compressed-tensors' own arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def decode_fp8_block(w_RC: torch.Tensor, s_rc: torch.Tensor, rows: torch.Tensor,
+                     c0: int, bc: int, br: int) -> torch.Tensor:
+    """w_RC: fp8 rows `rows` (absolute indices), columns from c0; s_rc: the scale rows
+    `rows // br` already gathered, scale columns starting at block c0 // bc."""
+    cols = torch.arange(w_RC.shape[-1]) + c0
+    s = s_rc[:, (cols // bc) - (c0 // bc)]
+    return (w_RC.float() * s.float()).to(torch.bfloat16)
+
+
+def unpack_int4(words_RW: torch.Tensor) -> torch.Tensor:
+    """int32 words -> int8 codes in [-8, 7], 8 per word, element order as packed."""
+    b = words_RW.contiguous().view(torch.uint8)  # little-endian byte order (x86, ARM)
+    lo, hi = b & 0xF, b >> 4
+    codes = torch.stack([lo, hi], dim=-1).reshape(*words_RW.shape[:-1], -1)
+    return codes.to(torch.int16).sub(8).to(torch.int8)
+
+
+def decode_int4(words_RW: torch.Tensor, scale_RG: torch.Tensor, group: int) -> torch.Tensor:
+    q = unpack_int4(words_RW)
+    q = q[..., : scale_RG.shape[-1] * group]
+    s = scale_RG.repeat_interleave(group, dim=-1)
+    return (q.to(scale_RG.dtype) * s).to(torch.bfloat16)
+
+
+def decode_fp8_scaled(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (w.to(scale.dtype) * scale).to(torch.bfloat16)
+
+
+def decode_nvfp4_ct(data: torch.Tensor, scale: torch.Tensor, global_scale_enc: torch.Tensor,
+                    shape: tuple[int, ...]) -> torch.Tensor:
+    from workbench.formats import QuantizedTensor, dequantize
+
+    ones = torch.ones_like(scale.float()).to(torch.float8_e4m3fn)
+    codes = dequantize(QuantizedTensor("nvfp4", "compressed-tensors", data, ones,
+                                       torch.tensor(1.0), shape), torch.float32)
+    t = scale.float() / global_scale_enc.float().reshape(())
+    out = codes.unflatten(-1, (-1, 16)) * t.unsqueeze(-1)
+    return out.flatten(-2).to(torch.bfloat16)

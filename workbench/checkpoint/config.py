@@ -1,0 +1,244 @@
+"""`quantization_config` parsing into typed, frozen dataclasses.
+
+Sources, in this order: `config.json`'s `quantization_config` (or `text_config.quantization_config`
+for multimodal wrappers), then `hf_quant_config.json` (ModelOpt). Each storage scheme maps to a
+workbench *codec* name used by the layout adapters:
+
+| source | codec |
+|---|---|
+| compressed-tensors `mxfp4-pack-quantized` | `mxfp4` |
+| compressed-tensors `nvfp4-pack-quantized` | `nvfp4-ct` (global scale stored encode-direction) |
+| compressed-tensors `mxfp8-quantized` | `mxfp8_e4m3` |
+| compressed-tensors `pack-quantized` (INT, e.g. Kimi K2 W4A16 group 32) | `int4` |
+| compressed-tensors `float-quantized` (FP8, tensor/channel/block scale) | `fp8` |
+| gpt-oss `quant_method: mxfp4` | `mxfp4` |
+| ModelOpt `quant_algo` NVFP4 / MXFP4 / MXFP8 | `nvfp4` / `mxfp4` / `mxfp8_e4m3` |
+| DeepSeek `quant_method: fp8` + `weight_block_size` | `fp8-block` |
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, UnknownFormatError
+
+CT_FORMATS = {  # compressed_tensors.config.CompressionFormat values (0.20.1)
+    "mxfp4-pack-quantized": "mxfp4",
+    "nvfp4-pack-quantized": "nvfp4-ct",
+    "mxfp8-quantized": "mxfp8_e4m3",
+    "pack-quantized": "int4",
+    "float-quantized": "fp8",
+}
+CT_UNQUANTIZED = {"dense"}
+MODELOPT_ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "MXFP4": "mxfp4",
+                  "MXFP8": "mxfp8_e4m3"}
+CODECS = ("mxfp4", "nvfp4", "nvfp4-ct", "mxfp8_e4m3", "int4", "fp8", "fp8-block")
+
+
+@dataclass(frozen=True)
+class WeightArgs:
+    """The subset of a compressed-tensors `weights` block the reader needs."""
+
+    num_bits: int
+    type: str  # "int" | "float"
+    strategy: str | None = None  # "group" | "tensor_group" | "channel" | "tensor" | "block"
+    group_size: int | None = None
+    block_structure: tuple[int, int] | None = None
+    symmetric: bool = True
+
+
+@dataclass(frozen=True)
+class ConfigGroup:
+    """One compressed-tensors config group (or the single implied group of other methods)."""
+
+    name: str
+    targets: tuple[str, ...]
+    codec: str | None  # None: this group does not store quantized weights
+    weights: WeightArgs | None = None
+    format: str | None = None  # the group's own storage format string, if any
+
+    def __post_init__(self):
+        if self.codec is not None and self.codec not in CODECS:
+            raise ValueError(f"unknown codec {self.codec!r}; expected one of {CODECS}")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Parsed quantization metadata of a checkpoint (method "dense" when there is none).
+
+    `pattern_style` says how `groups[*].targets` and `ignore` are matched (see workbench.scope):
+    "ct" (compressed-tensors), "hf" (transformers' modules_to_not_convert), "glob" (ModelOpt).
+    """
+
+    method: str  # "compressed-tensors" | "mxfp4" | "modelopt" | "fp8" | "dense"
+    source: Path | None
+    format: str | None = None
+    groups: tuple[ConfigGroup, ...] = ()
+    ignore: tuple[str, ...] = ()
+    pattern_style: str = "ct"
+    weight_block_size: tuple[int, int] | None = None
+    raw: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def __post_init__(self):
+        if self.method not in ("compressed-tensors", "mxfp4", "modelopt", "fp8", "dense"):
+            raise ValueError(f"unknown method {self.method!r}")
+        if self.pattern_style not in ("ct", "hf", "glob"):
+            raise ValueError(f"unknown pattern_style {self.pattern_style!r}")
+
+    @property
+    def codecs(self) -> set[str]:
+        return {g.codec for g in self.groups if g.codec is not None}
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"malformed JSON: {e}", path=path) from e
+    except OSError as e:
+        raise ConfigError(f"cannot read: {e}", path=path) from e
+
+
+def find_quant_config(model_config: dict, config_path: Path) -> dict | None:
+    q = model_config.get("quantization_config")
+    if q is None and isinstance(model_config.get("text_config"), dict):
+        q = model_config["text_config"].get("quantization_config")
+    if q is not None and not isinstance(q, dict):
+        raise ConfigError("quantization_config is not a JSON object", path=config_path)
+    return q
+
+
+def load_quant_config(folder: Path) -> tuple[dict, QuantConfig]:
+    """(model config dict, parsed QuantConfig) for a checkpoint folder."""
+    cfg_path = folder / "config.json"
+    model_config = read_json(cfg_path) if cfg_path.exists() else {}
+    if not isinstance(model_config, dict):
+        raise ConfigError("config.json is not a JSON object", path=cfg_path)
+    q = find_quant_config(model_config, cfg_path)
+    hf_path = folder / "hf_quant_config.json"
+    if q is None and hf_path.exists():
+        doc = read_json(hf_path)
+        if not isinstance(doc, dict) or not isinstance(doc.get("quantization"), dict):
+            raise ConfigError("hf_quant_config.json has no 'quantization' object", path=hf_path)
+        return model_config, parse_modelopt(doc["quantization"], hf_path)
+    if q is None:
+        return model_config, QuantConfig(method="dense", source=None)
+    return model_config, parse_quant_config(q, cfg_path)
+
+
+def parse_quant_config(q: dict, path: Path) -> QuantConfig:
+    method = q.get("quant_method")
+    if method == "compressed-tensors":
+        return parse_compressed_tensors(q, path)
+    if method == "mxfp4":
+        return parse_gpt_oss(q, path)
+    if method == "modelopt":
+        return parse_modelopt(q, path)
+    if method == "fp8":
+        return parse_fp8_block(q, path)
+    raise UnknownFormatError(f"unknown quant_method {method!r} (known: compressed-tensors, "
+                             "mxfp4, modelopt, fp8)", path=path)
+
+
+def _str_list(v: Any, what: str, path: Path) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise ConfigError(f"{what} must be a list of strings, got {v!r}", path=path)
+    return tuple(v)
+
+
+def _weight_args(w: dict, path: Path, group: str) -> WeightArgs:
+    try:
+        bs = w.get("block_structure")
+        return WeightArgs(num_bits=int(w["num_bits"]), type=str(w.get("type", "int")),
+                          strategy=w.get("strategy"), group_size=w.get("group_size"),
+                          block_structure=tuple(bs) if bs else None,
+                          symmetric=bool(w.get("symmetric", True)))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"config group {group!r}: bad 'weights' {w!r}", path=path) from e
+
+
+def _ct_codec(fmt: str, wa: WeightArgs | None, path: Path, group: str) -> str | None:
+    if fmt in CT_UNQUANTIZED or wa is None:
+        return None
+    if fmt not in CT_FORMATS:
+        raise UnknownFormatError(f"compressed-tensors format {fmt!r} (group {group!r}) is not "
+                                 f"supported; supported: {sorted(CT_FORMATS)}", path=path)
+    codec = CT_FORMATS[fmt]
+    want = {"mxfp4": (4, "float"), "nvfp4-ct": (4, "float"), "mxfp8_e4m3": (8, "float"),
+            "int4": (4, "int"), "fp8": (8, "float")}[codec]
+    if (wa.num_bits, wa.type) != want:
+        raise ConfigError(f"group {group!r}: format {fmt!r} needs {want[1]}{want[0]} weights, "
+                          f"config says {wa.type}{wa.num_bits}", path=path)
+    if codec == "int4" and (wa.strategy != "group" or not wa.group_size or not wa.symmetric):
+        raise UnknownFormatError(f"group {group!r}: only symmetric group-wise pack-quantized "
+                                 "INT4 is supported", path=path)
+    return codec
+
+
+def parse_compressed_tensors(q: dict, path: Path) -> QuantConfig:
+    fmt = q.get("format")
+    groups_raw = q.get("config_groups")
+    if not isinstance(groups_raw, dict) or not groups_raw:
+        raise ConfigError("compressed-tensors config has no 'config_groups'", path=path)
+    groups = []
+    for gname, g in groups_raw.items():
+        if not isinstance(g, dict):
+            raise ConfigError(f"config group {gname!r} is not an object", path=path)
+        targets = _str_list(g.get("targets"), f"config_groups.{gname}.targets", path)
+        w = g.get("weights")
+        wa = _weight_args(w, path, gname) if isinstance(w, dict) else None
+        gfmt = g.get("format") or fmt
+        if gfmt is None or gfmt == "mixed-precision":
+            raise ConfigError(f"group {gname!r} has no storage format", path=path)
+        groups.append(ConfigGroup(gname, targets, _ct_codec(gfmt, wa, path, gname), wa, gfmt))
+    return QuantConfig("compressed-tensors", path, fmt, tuple(groups),
+                       _str_list(q.get("ignore"), "ignore", path), "ct", raw=q)
+
+
+def parse_gpt_oss(q: dict, path: Path) -> QuantConfig:
+    # transformers' Mxfp4 quantizer converts the experts modules (fused gate_up/down) only
+    group = ConfigGroup("experts", ("re:.*\\.experts$",), "mxfp4", None, "mxfp4")
+    return QuantConfig("mxfp4", path, "mxfp4", (group,),
+                       _str_list(q.get("modules_to_not_convert"), "modules_to_not_convert", path),
+                       "hf", raw=q)
+
+
+def parse_modelopt(q: dict, path: Path) -> QuantConfig:
+    """ModelOpt: `hf_quant_config.json` says `exclude_modules`; the copy it writes into
+    config.json (`convert_hf_quant_config_format`) says `ignore` and adds `config_groups`
+    targets. Both hold shell globs (`model.layers.*.self_attn*`)."""
+    algo = q.get("quant_algo")
+    algo = algo.upper() if isinstance(algo, str) else algo  # config.json copies are lower case
+    if algo not in MODELOPT_ALGOS:
+        raise UnknownFormatError(f"ModelOpt quant_algo {algo!r} is not supported; supported: "
+                                 f"{sorted(MODELOPT_ALGOS)}", path=path)
+    targets: tuple[str, ...] = ()
+    groups_raw = q.get("config_groups")
+    if isinstance(groups_raw, dict):
+        for gname, g in groups_raw.items():
+            if isinstance(g, dict):
+                targets += _str_list(g.get("targets"), f"config_groups.{gname}.targets", path)
+    group = ConfigGroup("modelopt", targets or ("Linear",), MODELOPT_ALGOS[algo], None, algo)
+    key = "exclude_modules" if "exclude_modules" in q else "ignore"
+    return QuantConfig("modelopt", path, algo, (group,), _str_list(q.get(key), key, path),
+                       "glob", raw=q)
+
+
+def parse_fp8_block(q: dict, path: Path) -> QuantConfig:
+    bs = q.get("weight_block_size")
+    if (not isinstance(bs, list) or len(bs) != 2
+            or not all(isinstance(b, int) and b > 0 for b in bs)):
+        raise ConfigError(f"fp8 quant_method needs weight_block_size [r, c], got {bs!r}",
+                          path=path)
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise UnknownFormatError(f"fp8 fmt {q.get('fmt')!r} is not supported (only e4m3)",
+                                 path=path)
+    group = ConfigGroup("fp8", ("Linear",), "fp8-block", None, "fp8")
+    return QuantConfig("fp8", path, "fp8", (group,),
+                       _str_list(q.get("modules_to_not_convert"), "modules_to_not_convert", path),
+                       "hf", weight_block_size=(bs[0], bs[1]), raw=q)

@@ -1,0 +1,318 @@
+"""Lazy sharded safetensors index: tensor name -> (file, dtype, shape, byte range).
+
+Opening parses only each shard's header (8-byte little-endian length + JSON) and checks it
+completely -- offsets inside the file, sizes equal dtype x shape, contiguous with no overlap,
+file not truncated -- without touching tensor data. Reads go through
+`safetensors.safe_open(...).get_slice(name)[...]`, so a request touches only its bytes; every
+read is counted in `IndexStats` (tests and benchmarks check the byte count).
+
+Safety: shard names from `model.safetensors.index.json` must stay inside the folder (no
+absolute path, no `..`, no symlink resolving outside). One exception, because it is how every
+Hugging Face hub download looks: inside a hub cache snapshot (`.../snapshots/<rev>/`), links into
+that repository's own `blobs/` folder are allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import (CheckpointError, ConfigError, ValidationError, CorruptShardError, MissingFileError, MissingTensorError,
+                     UnsafePathError)
+
+# safetensors dtype string -> (torch dtype, bits per element)
+DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "BOOL": (torch.bool, 8), "U8": (torch.uint8, 8), "I8": (torch.int8, 8),
+    "U16": (torch.uint16, 16), "I16": (torch.int16, 16), "F16": (torch.float16, 16),
+    "BF16": (torch.bfloat16, 16), "U32": (torch.uint32, 32), "I32": (torch.int32, 32),
+    "F32": (torch.float32, 32), "U64": (torch.uint64, 64), "I64": (torch.int64, 64),
+    "F64": (torch.float64, 64), "F8_E4M3": (torch.float8_e4m3fn, 8),
+    "F8_E5M2": (torch.float8_e5m2, 8), "F8_E8M0": (torch.float8_e8m0fnu, 8),
+}
+MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+INDEX_FILE = "model.safetensors.index.json"
+# expert-parallel rank in a per-rank file name: model-ep3.safetensors, ep_rank_03.safetensors
+EP_FILE = re.compile(r"(?:^|[^a-z0-9])ep(?:_?rank)?[_-]?(\d+)")
+SINGLE_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offsets in the file
+    end: int
+    stored_name: str | None = None  # the name inside the file, when `name` is qualified
+
+    @property
+    def key(self) -> str:
+        return self.stored_name or self.name
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass
+class IndexStats:
+    """Bytes requested through `ShardIndex.read` (the sizes of the slices asked for)."""
+
+    bytes_read: int = 0
+    requests: int = 0
+    per_tensor: dict[str, int] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.bytes_read, self.requests = 0, 0
+        self.per_tensor.clear()
+
+
+def parse_header(path: Path) -> dict[str, TensorEntry]:
+    """Read and fully check one shard's header; never reads tensor data."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CorruptShardError(f"shard is {size} bytes: too short for a safetensors "
+                                        "header (empty or truncated file)", path=path)
+            (n,) = struct.unpack("<Q", head)
+            if n == 0 or n > MAX_HEADER or 8 + n > size:
+                raise CorruptShardError(f"header length {n} does not fit a {size}-byte file "
+                                        "(corrupt header or truncated file)", path=path)
+            raw = f.read(n)
+    except OSError as e:
+        raise MissingFileError(f"cannot read shard: {e}", path=path) from e
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptShardError(f"header is not valid JSON: {e}", path=path) from e
+    if not isinstance(header, dict):
+        raise CorruptShardError("header is not a JSON object", path=path)
+    data_start, data_size = 8 + n, size - 8 - n
+    entries: dict[str, TensorEntry] = {}
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_s, shape, (b, e) = info["dtype"], info["shape"], info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as err:
+            raise CorruptShardError(f"malformed header entry: {info!r}", path=path,
+                                    tensor=name) from err
+        if dtype_s not in DTYPES:
+            raise CorruptShardError(f"unsupported dtype {dtype_s!r}", path=path, tensor=name)
+        if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
+                or not all(isinstance(o, int) for o in (b, e))):
+            raise CorruptShardError(f"bad shape {shape!r} or offsets {[b, e]!r}", path=path,
+                                    tensor=name)
+        dtype, bits = DTYPES[dtype_s]
+        want = math.prod(shape) * bits // 8
+        if not 0 <= b <= e:
+            raise CorruptShardError(f"bad data offsets {[b, e]}", path=path, tensor=name)
+        if e > data_size:
+            raise CorruptShardError(f"data range [{b}, {e}) ends past the {data_size} data bytes "
+                                    "in the file (truncated shard)", path=path, tensor=name)
+        if e - b != want:
+            raise CorruptShardError(f"{e - b} bytes stored but dtype {dtype_s} x shape {shape} "
+                                    f"needs {want}", path=path, tensor=name)
+        entries[name] = TensorEntry(name, path, dtype, tuple(shape), data_start + b, data_start + e)
+        spans.append((b, e, name))
+    spans.sort()
+    pos = 0
+    for b, e, name in spans:
+        if b < pos:
+            raise CorruptShardError(f"data range [{b}, {e}) overlaps the previous tensor",
+                                    path=path, tensor=name)
+        pos = e
+    if pos != data_size:
+        raise CorruptShardError(f"tensors cover {pos} of {data_size} data bytes (file has "
+                                "trailing or missing bytes)", path=path)
+    return entries
+
+
+def _hub_blobs(folder: Path) -> Path | None:
+    # hub cache: <repo>/snapshots/<rev>/file -> ../../blobs/<sha>
+    if folder.parent.name == "snapshots" and (folder.parent.parent / "blobs").is_dir():
+        return (folder.parent.parent / "blobs").resolve()
+    return None
+
+
+def safe_shard_path(folder: Path, name: str, *, source: Path, tensor: str | None = None) -> Path:
+    """Resolve a shard name from an index, refusing anything that leaves `folder`."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise UnsafePathError(f"invalid shard name {name!r}", path=source, tensor=tensor)
+    p = Path(name)
+    if p.is_absolute() or name.startswith(("/", "\\")) or ".." in p.parts or ":" in p.parts[0]:
+        raise UnsafePathError(f"shard name {name!r} is absolute or climbs out of the folder",
+                              path=source, tensor=tensor)
+    root = folder.resolve()
+    full = folder / p
+    real = full.resolve()
+    blobs = _hub_blobs(folder)
+    inside = real.is_relative_to(root) or (blobs is not None and real.is_relative_to(blobs))
+    if not inside:
+        raise UnsafePathError(f"shard {name!r} resolves to {real}, outside {root}",
+                              path=source, tensor=tensor)
+    if not full.exists():
+        raise MissingFileError(f"shard {name!r} named by the index does not exist", path=full,
+                               tensor=tensor)
+    return full
+
+
+class ShardIndex:
+    """All tensors of a checkpoint folder; see the module docstring."""
+
+    def __init__(self, folder: str | os.PathLike, *, max_open: int = 8):
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise MissingFileError("checkpoint folder does not exist", path=self.folder)
+        self.stats = IndexStats()
+        self._max_open = max_open
+        self._handles: OrderedDict[Path, object] = OrderedDict()
+        self._lock = threading.Lock()
+        self.entries: dict[str, TensorEntry] = {}
+        self.files: list[Path] = []
+        self._build()
+
+    def _build(self) -> None:
+        idx = self.folder / INDEX_FILE
+        if idx.exists():
+            self._build_from_index(idx)
+        elif (self.folder / SINGLE_FILE).exists():
+            self._add_file(safe_shard_path(self.folder, SINGLE_FILE, source=self.folder))
+        else:
+            # e.g. per-rank Megatron exports `model-ep0.safetensors`, ...: take them all
+            files = sorted(p.name for p in self.folder.glob("*.safetensors"))
+            if not files:
+                raise MissingFileError(f"no {INDEX_FILE}, {SINGLE_FILE} or *.safetensors file",
+                                       path=self.folder)
+            for name in files:
+                m = EP_FILE.search(Path(name).stem.lower())
+                self._add_file(safe_shard_path(self.folder, name, source=self.folder),
+                               ep_rank=int(m.group(1)) if m else None)
+
+    def _build_from_index(self, idx: Path) -> None:
+        try:
+            doc = json.loads(idx.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"malformed JSON: {e}", path=idx) from e
+        wmap = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(wmap, dict) or not wmap:
+            raise ConfigError("index has no non-empty 'weight_map' object", path=idx)
+        headers: dict[str, dict[str, TensorEntry] | None] = {}
+        problems: list[CheckpointError] = []
+        for tname, fname in wmap.items():
+            if fname not in headers:
+                headers[fname] = None
+                try:  # check every shard, then report all problems together
+                    full = safe_shard_path(self.folder, fname, source=idx, tensor=tname)
+                    headers[fname] = parse_header(full)
+                    self.files.append(full)
+                except CheckpointError as e:
+                    problems.append(e)
+            if headers[fname] is None:
+                continue
+            entry = headers[fname].get(tname)
+            if entry is None:
+                problems.append(CorruptShardError(
+                    f"index maps {tname!r} to this shard but its header has no such tensor",
+                    path=self.folder / fname, tensor=tname))
+                continue
+            self.entries[tname] = entry
+        if len(problems) == 1:
+            raise problems[0]
+        if problems:
+            raise ValidationError(problems, path=idx)
+
+    def _add_file(self, path: Path, ep_rank: int | None = None) -> None:
+        for name, entry in parse_header(path).items():
+            if ep_rank is not None and ".experts." in name:
+                # per-rank files reuse local expert names: keep them apart (see experts.py)
+                name = f"{name}@ep{ep_rank}"
+                entry = TensorEntry(name, entry.file, entry.dtype, entry.shape, entry.begin,
+                                    entry.end, stored_name=entry.name)
+            elif ep_rank is not None and name in self.entries:
+                prev = self.entries[name]
+                if (prev.dtype, prev.shape) != (entry.dtype, entry.shape):
+                    raise ConfigError(f"replicated tensor differs from its copy in "
+                                      f"{prev.file.name}", path=path, tensor=name)
+                continue
+            if name in self.entries:
+                raise ConfigError(f"tensor stored twice: also in {self.entries[name].file.name}",
+                                  path=path, tensor=name)
+            self.entries[name] = entry
+        self.files.append(path)
+
+    # -- lookup -----------------------------------------------------------------------------
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def entry(self, name: str) -> TensorEntry:
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise MissingTensorError("no such tensor in the checkpoint", path=self.folder,
+                                     tensor=name) from None
+
+    # -- reading ----------------------------------------------------------------------------
+    def _handle(self, path: Path):
+        from safetensors import safe_open
+
+        h = self._handles.get(path)
+        if h is None:
+            try:
+                h = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors raises its own SafetensorError
+                raise CorruptShardError(f"safetensors cannot open the shard: {e}",
+                                        path=path) from e
+            self._handles[path] = h
+            while len(self._handles) > self._max_open:
+                self._handles.popitem(last=False)
+        else:
+            self._handles.move_to_end(path)
+        return h
+
+    def read(self, name: str, index: tuple = ()) -> torch.Tensor:
+        """`tensor[index]` read through get_slice: only the selected bytes are touched.
+
+        `index` holds ints and slices (steps allowed), one per leading dimension.
+        """
+        e = self.entry(name)
+        with self._lock:
+            h = self._handle(e.file)
+            try:
+                # whole-tensor reads (scalars, global scales) need no slice
+                out = h.get_slice(e.key)[index] if index else h.get_tensor(e.key)
+            except Exception as err:
+                raise CorruptShardError(f"reading {index!r} failed: {err}", path=e.file,
+                                        tensor=name) from err
+            n = out.numel() * out.element_size()
+            self.stats.bytes_read += n
+            self.stats.requests += 1
+            self.stats.per_tensor[name] = self.stats.per_tensor.get(name, 0) + n
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._handles.clear()
+

@@ -1,0 +1,328 @@
+"""Layout adapters: group stored tensors into logical weights and check them against the config.
+
+Each layout names its companions by suffix on the weight's stored name (`base`):
+
+| layout | data | scale | global scale | other |
+|---|---|---|---|---|
+| compressed-tensors | `base_packed` (FP4/INT4) or `base` (FP8) | `base_scale` | `base_global_scale` | `base_shape` (INT4) |
+| gpt-oss | `base_blocks` `[E, N, K/32, 16]` | `base_scales` | | |
+| modelopt | `base` | `base_scale` | `base_scale_2` | |
+| fp8-block (DeepSeek) | `base` | `base_scale_inv` | | |
+| dense | `base` | | | |
+
+The stored format is read from the tensors (dtypes, shape ratios) and compared with what the
+config says, so a config naming a format the tensors do not carry is an error, not garbage.
+Activation / KV-cache scales (`input_scale`, `k_scale`, ...) are kept aside as `extras`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..scope import QuantScope, is_weight_param, split_name
+from .config import QuantConfig
+from .errors import (CheckpointError, ConfigError, DtypeMismatchError, FormatMismatchError,
+                     MissingCompanionError, ShapeMismatchError, UncoveredTensorError)
+from .index import ShardIndex
+
+LAYOUT_OF_METHOD = {"compressed-tensors": "compressed-tensors", "mxfp4": "gpt-oss",
+                    "modelopt": "modelopt", "fp8": "fp8-block", "dense": "dense"}
+SUFFIXES = {
+    "compressed-tensors": {"_packed": "data", "_scale": "scale", "_global_scale": "global_scale",
+                           "_shape": "shape", "_zero_point": "zero_point"},
+    "gpt-oss": {"_blocks": "data", "_scales": "scale"},
+    "modelopt": {"_scale": "scale", "_scale_2": "global_scale"},
+    "fp8-block": {"_scale_inv": "scale"},
+    "dense": {},
+}
+# the profile whose decoder matches each layout's reference loader (see workbench.formats)
+STORED_PROFILE = {"compressed-tensors": "compressed-tensors", "modelopt": "modelopt-export",
+                  "gpt-oss": "triton-kernels"}
+EXTRA_PARAMS = re.compile(r"(input|output)_(scale|global_scale|zero_point)|[kvq]_scale")
+_EP = re.compile(r"@ep\d+$")
+_E8 = (torch.uint8, torch.float8_e8m0fnu)
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+# codec -> role -> allowed dtypes
+ROLE_DTYPES = {
+    "mxfp4": {"data": (torch.uint8,), "scale": _E8},
+    "nvfp4": {"data": (torch.uint8,), "scale": (torch.float8_e4m3fn,),
+              "global_scale": (torch.float32,)},
+    "mxfp8_e4m3": {"data": (torch.float8_e4m3fn,), "scale": _E8},
+    "int4": {"data": (torch.int32,), "scale": _FLOATS, "shape": (torch.int32, torch.int64)},
+    "fp8": {"data": (torch.float8_e4m3fn,), "scale": _FLOATS},
+    "fp8-block": {"data": (torch.float8_e4m3fn,), "scale": (torch.float32,)},
+}
+ROLE_DTYPES["nvfp4-ct"] = ROLE_DTYPES["nvfp4"]
+FMT_OF_CODEC = {"mxfp4": "mxfp4", "nvfp4": "nvfp4", "nvfp4-ct": "nvfp4",
+                "mxfp8_e4m3": "mxfp8_e4m3"}
+BLOCK_OF_CODEC = {"mxfp4": 32, "nvfp4": 16, "nvfp4-ct": 16, "mxfp8_e4m3": 32}
+SUFFIX_OF_ROLE = {
+    "compressed-tensors": {"data": "_packed", "scale": "_scale", "global_scale": "_global_scale",
+                           "shape": "_shape"},
+    "gpt-oss": {"data": "_blocks", "scale": "_scales"},
+    "modelopt": {"data": "", "scale": "_scale", "global_scale": "_scale_2"},
+    "fp8-block": {"data": "", "scale": "_scale_inv"},
+}
+
+
+@dataclass(frozen=True)
+class LogicalSpec:
+    """One logical weight: where its parts are stored and how to decode them."""
+
+    name: str
+    codec: str | None  # None: stored dense
+    shape: tuple[int, ...]  # logical shape, Linear convention [..., out, in]
+    stored_dtype: torch.dtype
+    parts: tuple[tuple[str, str], ...]  # (role, stored tensor name)
+    block: int = 1  # logical columns per scale entry
+    row_block: int = 1  # logical rows per scale entry (fp8-block)
+    blocks4d: bool = False  # gpt-oss data is [..., N, K/32, 16]
+    profile: str | None = None
+    scale_kind: str | None = None  # fp8 (compressed-tensors float-quantized): tensor|channel|block
+
+    def part(self, role: str) -> str | None:
+        return dict(self.parts).get(role)
+
+
+@dataclass
+class Built:
+    layout: str
+    logicals: dict[str, LogicalSpec]
+    extras: list[str]
+    problems: list[CheckpointError]
+    scope: QuantScope
+
+
+def detect_layout(qcfg: QuantConfig) -> str:
+    return LAYOUT_OF_METHOD[qcfg.method]
+
+
+def _group(names: list[str], layout: str):
+    """base -> {role: stored name}; plus extras."""
+    sfx = sorted(SUFFIXES[layout].items(), key=lambda kv: -len(kv[0]))
+    groups: dict[str, dict[str, str]] = {}
+    extras = []
+    for n in names:
+        q = _EP.search(n)
+        plain, qual = (n[: q.start()], q.group()) if q else (n, "")
+        module, param = split_name(plain)
+        if EXTRA_PARAMS.fullmatch(param):
+            extras.append(n)
+            continue
+        role, base = "data", n
+        for s, r in sfx:
+            if param.endswith(s) and is_weight_param(param[: -len(s)]):
+                role, base = r, f"{module}.{param[: -len(s)]}{qual}" if module else param[:-len(s)]
+                break
+        g = groups.setdefault(base, {})
+        if role in g:
+            g.setdefault("_conflict", n)
+        g[role] = n
+    return groups, extras
+
+
+def _foreign(name: str, layout: str) -> str | None:
+    """A name that looks like another layout's packed companion (never right in `layout`)."""
+    _, param = split_name(_EP.sub("", name))
+    for lay, sfx in SUFFIXES.items():
+        if lay == layout:
+            continue
+        for s in sfx:
+            if param.endswith(s) and is_weight_param(param[: -len(s)]) and s not in SUFFIXES[layout]:
+                return lay
+    return None
+
+
+def build(index: ShardIndex, qcfg: QuantConfig) -> Built:
+    layout = detect_layout(qcfg)
+    groups, extras = _group(index.names(), layout)
+    problems: list[CheckpointError] = []
+    path = index.folder
+    # logical shapes first (scope class inference needs ndim), then decide, then check
+    shapes: dict[str, tuple[int, ...]] = {}
+    for base, g in groups.items():
+        if "_conflict" in g:
+            problems.append(ConfigError(f"two tensors claim the same role for {base!r}: "
+                                        f"{g['_conflict']!r} and another", path=path, tensor=base))
+        data = g.get("data")
+        if data is None:
+            role, comp = next((r, n) for r, n in g.items() if r != "_conflict")
+            problems.append(MissingCompanionError(
+                f"{role} tensor {comp!r} has no data tensor {base!r} (or its packed form)",
+                path=index.entry(comp).file, tensor=comp))
+            continue
+        shapes[base] = _logical_shape(index, layout, g)
+    stored_q = None
+    if layout == "fp8-block":  # DeepSeek configs name no targets: the scale companions do
+        stored_q = {b: "fp8-block" for b, g in groups.items() if "scale" in g and b in shapes}
+    scope = QuantScope.from_config(qcfg, names=shapes, stored=stored_q)
+    logicals: dict[str, LogicalSpec] = {}
+    for base, shape in shapes.items():
+        g = groups[base]
+        dec = scope.decide(base)
+        codec = dec.recipe if dec.quantized else None
+        errs = _check(index, layout, qcfg, base, g, codec, shape)
+        if errs:
+            problems += errs
+            continue
+        logicals[base] = _spec(index, layout, qcfg, base, g, codec, shape)
+    return Built(layout, logicals, extras, problems, scope)
+
+
+def _logical_shape(index: ShardIndex, layout: str, g: dict[str, str]) -> tuple[int, ...]:
+    e = index.entry(g["data"])
+    s = e.shape
+    if e.dtype == torch.uint8 and "scale" in g and len(s) >= 1:
+        if layout == "gpt-oss" and len(s) >= 2:
+            return (*s[:-2], s[-2] * s[-1] * 2)
+        return (*s[:-1], s[-1] * 2)
+    if e.dtype == torch.int32 and "shape" in g:
+        return s  # true width read in _check / _spec from the weight_shape tensor
+    return s
+
+
+def _stored_codec(index: ShardIndex, g: dict[str, str]) -> str | None:
+    """What the tensors carry, read from dtypes alone (None: plain dense weight)."""
+    d = index.entry(g["data"]).dtype
+    sc = index.entry(g["scale"]).dtype if "scale" in g else None
+    if sc is None:
+        return None if d not in (torch.uint8, torch.int32, torch.float8_e4m3fn) else "packed?"
+    if d == torch.uint8:
+        return "nvfp4" if sc == torch.float8_e4m3fn else "mxfp4" if sc in _E8 else "?"
+    if d == torch.float8_e4m3fn:
+        return "mxfp8_e4m3" if sc in _E8 else "fp8" if sc in _FLOATS else "?"
+    if d == torch.int32:
+        return "int4"
+    return "?"
+
+
+def _family(codec: str | None) -> str | None:
+    return {"nvfp4-ct": "nvfp4", "fp8-block": "fp8"}.get(codec, codec)
+
+
+def _check(index, layout, qcfg, base, g, codec, shape) -> list[CheckpointError]:
+    path = index.entry(g["data"]).file
+    carried = _stored_codec(index, g)
+    if codec is None:
+        if carried is not None or len(g) > 1:
+            comp = next((n for r, n in g.items() if r != "data"), g["data"])
+            why = ("config.json has no quantization_config" if qcfg.method == "dense"
+                   else "no config target covers it (or an ignore entry excludes it)")
+            return [UncoveredTensorError(f"stored quantized ({carried or 'packed'}) but {why}",
+                                         path=index.entry(comp).file, tensor=comp)]
+        foreign = _foreign(g["data"], layout)
+        if foreign is not None:
+            return [UncoveredTensorError(f"named like a {foreign} packed companion, but the "
+                                         f"checkpoint's layout is {layout}", path=path,
+                                         tensor=g["data"])]
+        return []
+    errs: list[CheckpointError] = []
+    need = ROLE_DTYPES[codec]
+    for role in need:
+        if role not in g:
+            want = base + SUFFIX_OF_ROLE.get(layout, {}).get(role, f"<{role}>")
+            errs.append(MissingCompanionError(
+                f"config says {base!r} is {codec}, but its {role} companion {want!r} is missing",
+                path=path, tensor=want))
+    if errs:
+        return errs
+    if carried not in ("?", "packed?") and _family(carried) != _family(codec):
+        return [FormatMismatchError(f"config says {codec} but the stored tensors carry "
+                                    f"{carried} ({_dtypes(index, g)})", path=path, tensor=base)]
+    for role, allowed in need.items():
+        e = index.entry(g[role])
+        if e.dtype not in allowed:
+            errs.append(DtypeMismatchError(f"{codec} {role} must be {_names(allowed)}, is "
+                                           f"{e.dtype}", path=e.file, tensor=g[role]))
+    if errs:
+        return errs
+    return _check_shapes(index, layout, qcfg, base, g, codec, shape)
+
+
+def _check_shapes(index, layout, qcfg, base, g, codec, shape) -> list[CheckpointError]:
+    d, s = index.entry(g["data"]), index.entry(g["scale"])
+    bad = []
+
+    def mismatch(role, got, want):
+        e = index.entry(g[role])
+        bad.append(ShapeMismatchError(f"{role} shape {list(got)} does not fit {codec} data "
+                                      f"{list(d.shape)} (expected {list(want)})", path=e.file,
+                                      tensor=g[role]))
+
+    if codec in BLOCK_OF_CODEC:
+        b = BLOCK_OF_CODEC[codec]
+        cols = shape[-1]
+        if layout == "gpt-oss" and (len(d.shape) < 3 or d.shape[-1] != b // 2):
+            mismatch("data", d.shape, (*d.shape[:-1], b // 2))
+        elif cols % b:
+            bad.append(ShapeMismatchError(f"{cols} logical columns are not a multiple of the "
+                                          f"{b}-wide {codec} block", path=d.file, tensor=g["data"]))
+        elif s.shape != (*shape[:-1], cols // b):
+            mismatch("scale", s.shape, (*shape[:-1], cols // b))
+        if codec in ("nvfp4", "nvfp4-ct"):
+            gs = index.entry(g["global_scale"])
+            if math.prod(gs.shape) != 1:
+                mismatch("global_scale", gs.shape, (1,))
+    elif codec == "int4":
+        w = qcfg_group_size(qcfg, base)
+        sh = index.entry(g["shape"])
+        if sh.shape != (2,) or len(d.shape) != 2:
+            return [ShapeMismatchError(f"INT4 needs 2-D data and a [2] weight_shape, got "
+                                       f"{list(d.shape)} and {list(sh.shape)}", path=sh.file,
+                                       tensor=g["shape"])]
+        rows, cols = (int(v) for v in index.read(g["shape"]).tolist())
+        if d.shape != (rows, math.ceil(cols * 4 / 32)):
+            mismatch("data", d.shape, (rows, math.ceil(cols * 4 / 32)))
+        elif cols % w or s.shape != (rows, cols // w):
+            mismatch("scale", s.shape, (rows, cols // w))
+    elif codec == "fp8-block":
+        br, bc = qcfg.weight_block_size
+        want = (math.ceil(d.shape[0] / br), math.ceil(d.shape[1] / bc)) if len(d.shape) == 2 else ()
+        if s.shape != want:
+            mismatch("scale", s.shape, want)
+    elif codec == "fp8":
+        r = d.shape[0] if d.shape else 0
+        if s.shape not in ((), (1,), (r, 1), (r,)):
+            mismatch("scale", s.shape, (r, 1))
+    return bad
+
+
+def qcfg_group_size(qcfg: QuantConfig, base: str) -> int:
+    for grp in qcfg.groups:
+        if grp.codec == "int4" and grp.weights is not None and grp.weights.group_size:
+            return int(grp.weights.group_size)
+    raise ConfigError("INT4 weights need a group_size in the config", path=qcfg.source,
+                      tensor=base)
+
+
+def _spec(index, layout, qcfg, base, g, codec, shape) -> LogicalSpec:
+    d = index.entry(g["data"])
+    parts = tuple(sorted((r, n) for r, n in g.items() if r != "_conflict"))
+    if codec is None:
+        return LogicalSpec(base, None, d.shape, d.dtype, parts)
+    prof = STORED_PROFILE.get(layout)
+    if codec in BLOCK_OF_CODEC:
+        return LogicalSpec(base, codec, shape, d.dtype, parts, block=BLOCK_OF_CODEC[codec],
+                           blocks4d=layout == "gpt-oss", profile=prof)
+    if codec == "int4":
+        rows, cols = (int(v) for v in index.read(g["shape"]).tolist())
+        return LogicalSpec(base, codec, (rows, cols), d.dtype, parts,
+                           block=qcfg_group_size(qcfg, base))
+    if codec == "fp8-block":
+        br, bc = qcfg.weight_block_size
+        return LogicalSpec(base, codec, shape, d.dtype, parts, block=bc, row_block=br)
+    s = index.entry(g["scale"]).shape
+    kind = "tensor" if math.prod(s) == 1 and shape[0] != 1 else "channel"
+    return LogicalSpec(base, codec, shape, d.dtype, parts, scale_kind=kind)
+
+
+def _dtypes(index, g) -> str:
+    return ", ".join(f"{r}={index.entry(n).dtype}" for r, n in sorted(g.items()) if r != "_conflict")
+
+
+def _names(dts) -> str:
+    return " or ".join(str(t).replace("torch.", "") for t in dts)

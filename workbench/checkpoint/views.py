@@ -1,0 +1,232 @@
+"""Logical BF16 views: a packed weight looks like one `[out, in]` (or `[E, out, in]`) tensor.
+
+Legend: R rows (out features), C columns (in features), E experts, B block width along C.
+
+`view[rows, cols]` reads through `ShardIndex.read` only the stored bytes of the scale blocks that
+cover the requested columns (and only the requested rows / experts), decodes them with the
+reference codecs of `workbench.formats`, and crops to the exact columns, so the result is
+bit-identical to decoding the whole tensor and slicing. Rows and leading (expert) indices take
+ints or slices with any positive step; columns take ints or slices with step 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .codecs_extra import decode_fp8_block, decode_fp8_scaled, decode_int4, decode_nvfp4_ct
+from .errors import CheckpointError
+from .index import ShardIndex
+from .layouts import FMT_OF_CODEC, LogicalSpec
+
+
+def _norm(k, n: int, what: str, allow_step: bool) -> tuple[range, bool]:
+    """Key -> (range of indices, keeps the dim)."""
+    if isinstance(k, bool) or not isinstance(k, (int, slice)):
+        if hasattr(k, "__index__"):
+            k = int(k)
+        else:
+            raise TypeError(f"{what} index must be an int or slice, got {type(k).__name__}")
+    if isinstance(k, int):
+        if not -n <= k < n:
+            raise IndexError(f"{what} index {k} out of range for size {n}")
+        k = k % n
+        return range(k, k + 1), False
+    r = range(n)[k]
+    if r.step <= 0 or (not allow_step and r.step != 1):
+        raise IndexError(f"{what} slices need step 1{' or more' if allow_step else ''}, got {k}")
+    return r, True
+
+
+def _sl(r: range) -> slice:
+    return slice(r.start, r.start + r.step * len(r), r.step)
+
+
+class LogicalTensor:
+    """Base: shape, dtype, indexing, materialize(), raw()."""
+
+    dtype = torch.bfloat16
+
+    def __init__(self, name: str, shape: tuple[int, ...]):
+        self.name, self.shape = name, tuple(shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def _keys(self, key) -> list:
+        key = key if isinstance(key, tuple) else (key,)
+        if len(key) > self.ndim:
+            raise IndexError(f"{len(key)} indices for a {self.ndim}-D view of {self.name!r}")
+        return list(key) + [slice(None)] * (self.ndim - len(key))
+
+    def __getitem__(self, key) -> torch.Tensor:
+        raise NotImplementedError
+
+    def materialize(self) -> torch.Tensor:
+        return self[(slice(None),) * self.ndim]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, shape={list(self.shape)})"
+
+
+class StoredView(LogicalTensor):
+    """A view of one stored logical weight (2-D, or 3-D with a leading expert dim).
+
+    `lead` fixes the stored leading index (one expert of a fused 3-D tensor); `rows` maps the
+    view's rows onto stored rows as `offset + stride * i` (gpt-oss gate = even rows, TE fc1
+    up = the second half).
+    """
+
+    def __init__(self, index: ShardIndex, spec: LogicalSpec, *, lead: int | None = None,
+                 rows: tuple[int, int, int] | None = None, name: str | None = None,
+                 keep_dtype: bool = False):
+        self.index, self.spec, self.lead = index, spec, lead
+        R = spec.shape[-2] if len(spec.shape) >= 2 else None
+        self.row_map = rows if rows is not None else ((0, 1, R) if R is not None else None)
+        lead_dims = spec.shape[:-2] if lead is None else spec.shape[1:-2]
+        shape = (*lead_dims, self.row_map[2], spec.shape[-1]) if R is not None else spec.shape
+        super().__init__(name or spec.name, shape)
+        self.keep_dtype = keep_dtype and spec.codec is None
+        if self.keep_dtype:
+            self.dtype = spec.stored_dtype
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        return self.spec.stored_dtype
+
+    def __getitem__(self, key) -> torch.Tensor:
+        ks = self._keys(key)
+        if self.ndim == 1:
+            r, keep = _norm(ks[0], self.shape[0], "column", True)
+            out = self.index.read(self.spec.part("data"), (_sl(r),)) if len(r) else \
+                torch.empty(0, dtype=self.spec.stored_dtype)
+            out = out if self.keep_dtype else out.to(torch.bfloat16)
+            return out if keep else out[0]
+        lead_keys = ks[:-2]
+        leads, keeps = [], []
+        for k, n in zip(lead_keys, self.shape[:-2]):
+            r, keep = _norm(k, n, "expert", True)
+            leads.append(r)
+            keeps.append(keep)
+        rr, keep_r = _norm(ks[-2], self.shape[-2], "row", True)
+        cr, keep_c = _norm(ks[-1], self.shape[-1], "column", False)
+        off, stride, _ = self.row_map
+        srows = range(off + stride * rr.start, off + stride * (rr.start + rr.step * len(rr)),
+                      stride * rr.step) if len(rr) else range(0)
+        lead_sel = ([] if self.lead is None else [slice(self.lead, self.lead + 1)]) + [
+            _sl(r) for r in leads]
+        if any(len(r) == 0 for r in leads) or len(srows) == 0 or len(cr) == 0:
+            out = torch.empty(*[len(r) for r in leads], len(srows), len(cr), dtype=self.dtype)
+        else:
+            out = decode_region(self.index, self.spec, tuple(lead_sel), srows, cr.start,
+                                cr.stop)
+            if self.lead is not None:
+                out = out[0]
+            if self.keep_dtype is False and out.dtype != torch.bfloat16:
+                out = out.to(torch.bfloat16)
+        idx = tuple([slice(None) if k else 0 for k in keeps] + [slice(None) if keep_r else 0,
+                                                                  slice(None) if keep_c else 0])
+        return out[idx]
+
+    def raw(self, experts=None) -> dict[str, torch.Tensor]:
+        """Stored parts (packed bytes, scales, global scale...) of this weight, undecoded.
+
+        For views with a leading expert dim, `experts` (int or slice) selects experts. Row maps
+        (gate/up halves of fused tensors) are not applied: raw is the stored tensor.
+        """
+        out = {}
+        for role, name in self.spec.parts:
+            ent = self.index.entry(name)
+            sel: tuple = ()
+            if len(ent.shape) == len(self.spec.shape) + (1 if self.spec.blocks4d and role == "data"
+                                                        else 0) and len(ent.shape) >= 3:
+                sel = ((self.lead,) if self.lead is not None else
+                       (experts,) if experts is not None else ())
+            out[role] = self.index.read(name, sel)
+        return out
+
+
+class StackView(LogicalTensor):
+    """`[E, out, in]` made of per-expert 2-D views; the leading index picks which are read."""
+
+    def __init__(self, name: str, members: list[LogicalTensor]):
+        shapes = {m.shape for m in members}
+        if len(shapes) != 1:
+            raise CheckpointError(f"experts of {name!r} differ in shape: {sorted(shapes)}",
+                                  tensor=name)
+        self.members = members
+        super().__init__(name, (len(members), *members[0].shape))
+
+    def __getitem__(self, key) -> torch.Tensor:
+        ks = self._keys(key)
+        r, keep = _norm(ks[0], self.shape[0], "expert", True)
+        if not len(r):
+            return torch.empty(0, *self.members[0][tuple(ks[1:])].shape[0:0], dtype=self.dtype)
+        parts = [self.members[i][tuple(ks[1:])] for i in r]
+        return torch.stack(parts) if keep else parts[0]
+
+    def raw(self, experts=None) -> dict[str, torch.Tensor]:
+        r = range(self.shape[0])[experts] if isinstance(experts, slice) else (
+            [experts] if experts is not None else range(self.shape[0]))
+        raws = [self.members[i].raw() for i in r]
+        return {k: torch.stack([d[k] for d in raws]) for k in raws[0]}
+
+
+def decode_region(index: ShardIndex, spec: LogicalSpec, lead: tuple, rows: range, c0: int,
+                  c1: int) -> torch.Tensor:
+    """Decode stored rows `rows`, logical columns [c0, c1) -> [*lead_kept, len(rows), c1-c0]."""
+    rs = _sl(rows)
+    data = spec.part("data")
+    codec = spec.codec
+    if codec is None:
+        return index.read(data, (*lead, rs, slice(c0, c1)))
+    if codec in FMT_OF_CODEC:
+        from workbench.formats import QuantizedTensor, dequantize
+
+        B = spec.block
+        b0, b1 = c0 // B, math.ceil(c1 / B)
+        per = B // 2 if codec != "mxfp8_e4m3" else B
+        if spec.blocks4d:
+            d = index.read(data, (*lead, rs, slice(b0, b1), slice(None)))
+            d = d.reshape(*d.shape[:-2], -1)
+        else:
+            d = index.read(data, (*lead, rs, slice(b0 * per, b1 * per)))
+        s = index.read(spec.part("scale"), (*lead, rs, slice(b0, b1)))
+        shape = (*d.shape[:-1], (b1 - b0) * B)
+        if codec == "nvfp4-ct":
+            out = decode_nvfp4_ct(d, s, index.read(spec.part("global_scale")), shape)
+        else:
+            gs = None
+            if spec.part("global_scale") is not None:
+                gs = index.read(spec.part("global_scale")).float().reshape(())
+            if s.dtype == torch.float8_e8m0fnu:
+                s = s.view(torch.uint8)
+            q = QuantizedTensor(FMT_OF_CODEC[codec], spec.profile, d, s, gs, shape)
+            out = dequantize(q, torch.bfloat16)
+        return out[..., c0 - b0 * B: c1 - b0 * B]
+    if codec == "int4":
+        G = spec.block
+        g0, g1 = c0 // G, math.ceil(c1 / G)
+        w = index.read(data, (rs, slice(g0 * G // 8, math.ceil(g1 * G / 8))))
+        s = index.read(spec.part("scale"), (rs, slice(g0, g1)))
+        return decode_int4(w, s, G)[..., c0 - g0 * G: c1 - g0 * G]
+    if codec == "fp8-block":
+        br, bc = spec.row_block, spec.block
+        w = index.read(data, (rs, slice(c0, c1)))
+        ridx = torch.tensor(list(rows))
+        sr0 = rows.start // br
+        s = index.read(spec.part("scale"), (slice(sr0, rows[-1] // br + 1),
+                                            slice(c0 // bc, math.ceil(c1 / bc))))
+        return decode_fp8_block(w, s[(ridx // br) - sr0], ridx, c0, bc, br)
+    if codec == "fp8":
+        w = index.read(data, (rs, slice(c0, c1)))
+        s = index.read(spec.part("scale"))
+        if spec.scale_kind == "channel":
+            s = s.reshape(-1, 1)[rs]
+        return decode_fp8_scaled(w, s.reshape(-1, 1) if s.dim() else s)
+    raise CheckpointError(f"no decoder for codec {codec!r}", tensor=spec.name)
