@@ -76,6 +76,12 @@ ready_line() {
        "partition=debug state=$STATE conf=/etc/slurm/slurm.conf)"
 }
 
+# One start at a time (parallel test workers, CI steps), bounded.
+mkdir -p "$STATE"
+# Daemons are started with 9>&- so they do not inherit (and hold) the lock.
+exec 9>"$STATE/.lock"
+flock -w $((WAIT_S * 4)) 9 || die "another local-cluster.sh holds $STATE/.lock for more than $((WAIT_S * 4))s"
+
 # --- already up? --------------------------------------------------------------------------------
 if pid_alive "$STATE/run/slurmctld.pid" && pid_alive "$STATE/run/slurmdbd.pid" && healthy; then
   ready_line; exit 0
@@ -122,7 +128,7 @@ if ! (munge -n | unmunge) >/dev/null 2>&1; then
   chown munge:munge /etc/munge/munge.key; chmod 400 /etc/munge/munge.key
   mkdir -p /run/munge /var/log/munge /var/lib/munge
   chown munge:munge /run/munge /var/log/munge /var/lib/munge
-  runuser -u munge -- /usr/sbin/munged
+  runuser -u munge -- /usr/sbin/munged 9>&-
   # munged writes its own pid file; remember that we started it so stop can end it.
   wait_for "$WAIT_S" "munged" bash -c 'munge -n | unmunge'
   cp /run/munge/munged.pid "$STATE/run/munged.pid" 2>/dev/null || pgrep -u munge -x munged >"$STATE/run/munged.pid"
@@ -144,7 +150,7 @@ fi
 rm -f "$SOCK"
 mariadbd --no-defaults --user=root --datadir="$STATE/mysql" --socket="$SOCK" --skip-networking \
   --pid-file="$STATE/run/mariadb.pid" --log-error="$STATE/log/mariadb.log" \
-  --innodb-buffer-pool-size=64M --innodb-log-file-size=16M >/dev/null 2>&1 &
+  --innodb-buffer-pool-size=64M --innodb-log-file-size=16M >/dev/null 2>&1 9>&- &
 wait_for "$WAIT_S" "MariaDB" mariadb-admin --socket="$SOCK" ping
 
 # --- Slurm configuration ------------------------------------------------------------------------
@@ -217,15 +223,15 @@ for f in slurm.conf slurmdbd.conf; do
 done
 
 # --- daemons ------------------------------------------------------------------------------------
-slurmdbd
+slurmdbd 9>&-
 wait_for "$WAIT_S" "slurmdbd" sacctmgr -n list cluster
 sacctmgr -i -Q add cluster "$CLUSTER" >/dev/null 2>&1 || true
 
 # -c: forget old jobs, -i: ignore state-file errors. A fresh controller every start.
 rm -rf "${STATE:?}/ctld/"*
-slurmctld -c -i
+slurmctld -c -i 9>&-
 wait_for "$WAIT_S" "slurmctld" scontrol ping
-for n in "${NODES[@]}"; do slurmd -N "$n"; done
+for n in "${NODES[@]}"; do slurmd -N "$n" 9>&-; done
 wait_for "$WAIT_S" "both nodes idle" both_idle
 wait_for "$WAIT_S" "sacct" sacct -n -X -S now-1minutes -o JobID
 

@@ -1,0 +1,80 @@
+"""LaunchSpec validation, presets, argv, JSON round trip, and import hygiene (no cluster needed)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from workbench.launch import LaunchSpec, LaunchSpecError, ep4, ep8, local
+
+
+def test_presets_shape_the_world():
+    a, b, c = ep4(), ep8(), local()
+    assert (a.nodes, a.tasks_per_node, a.ep, a.executor) == (1, 4, 4, "slurm")
+    assert (b.nodes, b.tasks_per_node, b.ep, b.executor) == (2, 4, 8, "slurm")
+    assert (c.nodes, c.tasks_per_node, c.ep, c.executor) == (1, 1, 1, "local")
+    assert ep8(recipe="nvfp4", seed=3).recipe == "nvfp4"
+
+
+@pytest.mark.parametrize("ep,nodes,tpn", [(4, 1, 4), (8, 2, 4), (6, 3, 2), (16, 4, 4)])
+def test_tasks_per_node_derived(ep, nodes, tpn):
+    s = LaunchSpec(ep=ep, nodes=nodes, executor="slurm")
+    assert s.tasks_per_node == tpn and s.nodes * s.tasks_per_node == s.world_size == ep
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(ep=6, nodes=4, executor="slurm"), "split evenly"),
+    (dict(ep=8, nodes=2, tasks_per_node=2, executor="slurm"), "world size"),
+    (dict(ep=8, nodes=2), "executor='local'"),
+    (dict(ep=4, gpus_per_node=2), "own GPU"),
+    (dict(executor="pbs"), "executor"),
+    (dict(wandb="yes"), "wandb"),
+    (dict(steps=0), "steps"),
+    (dict(steps=True), "steps"),
+    (dict(recipe="mxfp4:floor", profile="rceil"), "already names a profile"),
+    (dict(recipe="mx fp4"), "recipe"),
+    (dict(target="not a path"), "target"),
+    (dict(trainer_args="--resume"), "trainer_args"),
+    (dict(sbatch=["qos"]), "sbatch"),
+])
+def test_bad_specs_raise_typed_errors(kwargs, words):
+    with pytest.raises(LaunchSpecError, match=words):
+        LaunchSpec(**kwargs)
+
+
+def test_trainer_argv_parses_back_to_the_spec(tmp_path):
+    s = LaunchSpec(preset="small", recipe="mxfp4+mxfp8", profile="floor", steps=7, seed=5,
+                   wandb="disabled", run_group="g1", ckpt_every=3, init="/ck", trainer_args=("--x", "1"))
+    p = argparse.ArgumentParser()  # the trainer's documented flags, as an independent reader
+    for flag in ("--preset", "--recipe", "--out", "--wandb", "--run-group", "--init"):
+        p.add_argument(flag)
+    for flag in ("--steps", "--seed", "--ckpt-every"):
+        p.add_argument(flag, type=int)
+    args, rest = p.parse_known_args(s.trainer_argv(tmp_path))
+    assert (args.preset, args.recipe, args.steps, args.seed) == ("small", "mxfp4+mxfp8:floor", 7, 5)
+    assert (args.out, args.wandb, args.run_group, args.init, args.ckpt_every) == (
+        str(tmp_path), "disabled", "g1", "/ck", 3)
+    assert rest == ["--x", "1"]
+
+
+def test_json_round_trip_and_immutability(tmp_path):
+    s = ep8(recipe="nvfp4", sbatch={"qos": "high"}, env={"A": 1}, folder=tmp_path,
+            pythonpath=[str(tmp_path)])
+    d = json.loads(json.dumps(s.to_json()))
+    assert LaunchSpec.from_json(d) == s
+    with pytest.raises(TypeError):
+        s.sbatch["qos"] = "low"
+    assert s.env["A"] == "1"
+    with pytest.raises(LaunchSpecError, match="unknown fields"):
+        LaunchSpec.from_json({**d, "gpus": 3})
+
+
+def test_import_is_light():
+    code = ("import sys, workbench.launch; "
+            "print(sorted(m for m in ('submitit', 'pandas', 'torch', 'wandb') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

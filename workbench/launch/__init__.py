@@ -1,0 +1,20 @@
+"""Launch trainer runs through submitit, locally or on Slurm, and follow them from notebooks.
+
+    from workbench.launch import LaunchSpec, submit
+    job = submit(LaunchSpec(preset="tiny", recipe="mxfp4", steps=20, ep=4, nodes=1,
+                            executor="slurm", folder="runs/ep4"))
+    job.wait(); job.state; job.metrics()
+
+`submitit` (extra `launch`) is imported only when a job is submitted or inspected.
+"""
+
+from .handle import JobFailedError, JobHandle, LaunchError, TERMINAL
+from .metrics import MetricsFormatError, read_metrics
+from .spec import LaunchSpec, LaunchSpecError, ep4, ep8, local
+from .submit import make_executor, submit, sweep
+
+attach = JobHandle.attach
+
+__all__ = ["LaunchSpec", "LaunchSpecError", "JobHandle", "JobFailedError", "LaunchError",
+           "MetricsFormatError", "TERMINAL", "attach", "ep4", "ep8", "local", "make_executor",
+           "read_metrics", "submit", "sweep"]

@@ -1,0 +1,202 @@
+"""What to launch: a typed, validated launch spec and its presets.
+
+A `LaunchSpec` says which trainer run to start (preset, recipe, steps, seed...) and where
+(executor, nodes x tasks, GPUs, partition, time). `ep` is the expert-parallel size, which for the
+workbench trainer is the world size: `ep == nodes * tasks_per_node`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+EXECUTORS = ("local", "slurm")
+WANDB_MODES = ("offline", "online", "disabled")
+DEFAULT_TARGET = "workbench.train.cli:main"
+DEFAULT_STOP_HOOK = "workbench.train.loop:request_stop"
+_DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_NAME = re.compile(r"^[A-Za-z0-9_.+\-]+$")
+_RECIPE = re.compile(r"^[A-Za-z0-9_.+\-]+(:[A-Za-z0-9_.\-]+)?$")  # FORMAT[+ACT][:PROFILE]
+
+
+class LaunchSpecError(ValueError):
+    """A launch spec that cannot describe a valid job."""
+
+
+def _frozen_str_map(value: Mapping[str, object] | None, what: str) -> Mapping[str, str]:
+    value = {} if value is None else value
+    if not isinstance(value, Mapping):
+        raise LaunchSpecError(f"{what} must be a mapping of str to str, got {type(value).__name__}")
+    out = {}
+    for k, v in value.items():
+        if not isinstance(k, str) or not k:
+            raise LaunchSpecError(f"{what}: keys must be non-empty strings, got {k!r}")
+        out[k] = str(v)
+    return MappingProxyType(out)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One trainer run to launch through submitit.
+
+    `tasks_per_node` is derived from `ep // nodes` when not given. `profile`, when set, is
+    appended to the recipe as `recipe:profile` (the workbench recipe syntax). `sbatch` holds extra
+    sbatch flags (e.g. `{"qos": "high"}`), `env` extra environment variables for the job,
+    `pythonpath` folders prepended to the job's PYTHONPATH. `target` is the `module:function`
+    called in every rank with the trainer argv (the workbench trainer by default); `stop_hook` is
+    the `module:function` the job's preemption signal handler calls.
+    """
+
+    preset: str = "tiny"
+    recipe: str = "bf16"
+    steps: int = 20
+    ep: int = 1
+    nodes: int = 1
+    tasks_per_node: int | None = None
+    gpus_per_node: int = 0
+    cpus_per_task: int = 1
+    partition: str | None = None
+    time_min: int = 60
+    sbatch: Mapping[str, str] = field(default_factory=dict)
+    folder: str | Path | None = None
+    executor: str = "local"
+    seed: int = 0
+    profile: str | None = None
+    wandb: str = "offline"
+    run_group: str | None = None
+    init: str | None = None
+    ckpt_every: int | None = None
+    trainer_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    pythonpath: tuple[str, ...] = ()
+    target: str = DEFAULT_TARGET
+    stop_hook: str = DEFAULT_STOP_HOOK
+    max_requeues: int = 3
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise LaunchSpecError(f"LaunchSpec: {msg}")
+
+        for name in ("steps", "ep", "nodes", "cpus_per_task", "time_min"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                bad(f"{name} must be a positive int, got {v!r}")
+        for name in ("gpus_per_node", "seed", "max_requeues"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                bad(f"{name} must be a non-negative int, got {v!r}")
+        if self.executor not in EXECUTORS:
+            bad(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if self.wandb not in WANDB_MODES:
+            bad(f"wandb must be one of {WANDB_MODES}, got {self.wandb!r}")
+        for name, pattern in (("preset", _NAME), ("recipe", _RECIPE)):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not pattern.match(v):
+                bad(f"{name} must be a non-empty name like 'tiny' or 'mxfp4+mxfp8', got {v!r}")
+        if self.profile is not None:
+            if not isinstance(self.profile, str) or not _NAME.match(self.profile):
+                bad(f"profile must be a name like 'floor', got {self.profile!r}")
+            if ":" in self.recipe:
+                bad(f"recipe {self.recipe!r} already names a profile; do not also pass profile=")
+        if self.ckpt_every is not None and (not isinstance(self.ckpt_every, int) or self.ckpt_every < 1):
+            bad(f"ckpt_every must be a positive int or None, got {self.ckpt_every!r}")
+
+        tpn = self.tasks_per_node
+        if tpn is None:
+            if self.ep % self.nodes:
+                bad(f"ep={self.ep} ranks cannot be split evenly over nodes={self.nodes}; "
+                    "pass tasks_per_node or change ep/nodes")
+            tpn = self.ep // self.nodes
+            object.__setattr__(self, "tasks_per_node", tpn)
+        if not isinstance(tpn, int) or isinstance(tpn, bool) or tpn < 1:
+            bad(f"tasks_per_node must be a positive int, got {tpn!r}")
+        if self.nodes * tpn != self.ep:
+            bad(f"ep ({self.ep}) is the world size and must equal nodes x tasks_per_node "
+                f"({self.nodes} x {tpn} = {self.nodes * tpn})")
+        if self.gpus_per_node and tpn > self.gpus_per_node:
+            bad(f"with GPUs every rank needs its own GPU: tasks_per_node ({tpn}) > "
+                f"gpus_per_node ({self.gpus_per_node})")
+        if self.executor == "local" and self.nodes != 1:
+            bad(f"executor='local' runs on this one machine, so nodes must be 1 (got {self.nodes}); "
+                "use executor='slurm' for several nodes")
+
+        for name in ("target", "stop_hook"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not _DOTTED.match(v):
+                bad(f"{name} must be 'package.module:function', got {v!r}")
+        if isinstance(self.trainer_args, (str, bytes)):
+            bad("trainer_args must be a sequence of strings, not one string")
+        object.__setattr__(self, "trainer_args", tuple(str(a) for a in self.trainer_args))
+        if isinstance(self.pythonpath, (str, bytes)):
+            bad("pythonpath must be a sequence of folders, not one string")
+        object.__setattr__(self, "pythonpath", tuple(str(Path(p).resolve()) for p in self.pythonpath))
+        object.__setattr__(self, "sbatch", _frozen_str_map(self.sbatch, "sbatch"))
+        object.__setattr__(self, "env", _frozen_str_map(self.env, "env"))
+        if self.folder is not None:
+            object.__setattr__(self, "folder", Path(self.folder))
+
+    @property
+    def world_size(self) -> int:
+        return self.ep
+
+    @property
+    def recipe_arg(self) -> str:
+        return self.recipe if self.profile is None else f"{self.recipe}:{self.profile}"
+
+    @property
+    def name(self) -> str:
+        """A short, filesystem-safe run name used for default folders and Slurm job names."""
+        parts = [self.preset, self.recipe_arg.replace(":", "-"), f"ep{self.ep}", f"s{self.seed}"]
+        return "-".join(parts)
+
+    def trainer_argv(self, out_dir: str | Path) -> list[str]:
+        """The workbench trainer's command line (`jobs/qat.py` flags) for this spec."""
+        argv = ["--preset", self.preset, "--recipe", self.recipe_arg, "--steps", str(self.steps),
+                "--out", str(out_dir), "--seed", str(self.seed), "--wandb", self.wandb]
+        if self.run_group:
+            argv += ["--run-group", self.run_group]
+        if self.init:
+            argv += ["--init", str(self.init)]
+        if self.ckpt_every:
+            argv += ["--ckpt-every", str(self.ckpt_every)]
+        return argv + list(self.trainer_args)
+
+    def to_json(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["folder"] = None if self.folder is None else str(self.folder)
+        d["sbatch"] = dict(self.sbatch)
+        d["env"] = dict(self.env)
+        d["trainer_args"] = list(self.trainer_args)
+        d["pythonpath"] = list(self.pythonpath)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> LaunchSpec:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise LaunchSpecError(f"LaunchSpec.from_json: unknown fields {unknown}")
+        d = dict(d)
+        for k in ("trainer_args", "pythonpath"):
+            if k in d:
+                d[k] = tuple(d[k])
+        return cls(**d)
+
+
+def local(**overrides) -> LaunchSpec:
+    """Local executor (this machine, no Slurm), one rank: the embedded default."""
+    return LaunchSpec(**{"executor": "local", "ep": 1, "nodes": 1, **overrides})
+
+
+def ep4(**overrides) -> LaunchSpec:
+    """EP4: one node x 4 ranks (Slurm by default)."""
+    return LaunchSpec(**{"executor": "slurm", "ep": 4, "nodes": 1, **overrides})
+
+
+def ep8(**overrides) -> LaunchSpec:
+    """EP8: two nodes x 4 ranks on Slurm."""
+    return LaunchSpec(**{"executor": "slurm", "ep": 8, "nodes": 2, **overrides})
