@@ -15,7 +15,7 @@ from workbench.train.distributed import DistInfo
 
 # The routed experts are what QAT fake-quantizes and what the packed export packs; attention,
 # router, dense FFNs, embeddings and lm_head stay BF16 (the Kimi K3 / gpt-oss recipes).
-QAT_SCOPE = "experts"
+QAT_SCOPE = "routed-experts"
 
 
 @dataclass

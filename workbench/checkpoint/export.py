@@ -1,0 +1,257 @@
+"""Export a (possibly expert-parallel) workbench model as a Hugging Face Qwen3-MoE checkpoint.
+
+Two layouts:
+- "bf16": every tensor in BF16 under transformers' names, experts per expert
+  (`...mlp.experts.{e}.{gate,up,down}_proj.weight`, the on-disk layout transformers 5 reads).
+- "compressed-tensors": routed experts packed exactly as compressed-tensors 0.20.1 writes them
+  (`MXFP4PackedCompressor` / `NVFP4PackedCompressor`): per expert projection `weight_packed` uint8
+  [out, in/2] (element 2i in the low nibble) and `weight_scale` (MXFP4: uint8 E8M0 [out, in/32];
+  NVFP4: float8_e4m3fn [out, in/16]) plus, for NVFP4, `weight_global_scale` fp32 [1] in
+  compressed-tensors' ENCODE direction (2688/amax, i.e. the reciprocal of the workbench's decode
+  scale). Everything else stays BF16. `config.json` carries the `quantization_config` that
+  `ModelCompressor.update_config` writes, with `config_groups` targets and `ignore` taken from the
+  QuantScope (only the scope patterns that select an exported tensor are written).
+
+Every EP rank writes its own shard (rank 0 adds the dense tensors) into a temporary folder; rank 0
+merges one `model.safetensors.index.json`, writes `config.json`, fsyncs and renames the folder into
+place, so a crash never leaves a folder that looks like a finished export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+INDEX_FILE = "model.safetensors.index.json"
+CT_VERSION = "0.20.1"  # the compressed-tensors release whose on-disk layout this reproduces
+_CT_FORMAT = {"mxfp4": "mxfp4-pack-quantized", "nvfp4": "nvfp4-pack-quantized"}
+_CT_WEIGHTS = {
+    # QuantizationArgs.model_dump() of compressed-tensors' MXFP4A16 / NVFP4A16 presets
+    "mxfp4": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32,
+              "strategy": "group", "dynamic": False, "scale_dtype": "torch.uint8"},
+    "nvfp4": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16,
+              "strategy": "tensor_group", "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"},
+}
+_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+class ExportError(ValueError):
+    """The model cannot be exported as asked; the message names the tensor or option."""
+
+
+def ct_quantization_config(weight_fmt: str, targets: list[str], ignore: list[str]) -> dict:
+    """The `quantization_config` compressed-tensors 0.20.1 writes for a weights-only FP4 scheme."""
+    if weight_fmt not in _CT_WEIGHTS:
+        raise ExportError(f"compressed-tensors export supports {sorted(_CT_WEIGHTS)}, "
+                          f"got weight format {weight_fmt!r}")
+    return {
+        "config_groups": {"group_0": {
+            "targets": list(targets), "weights": dict(_CT_WEIGHTS[weight_fmt]),
+            "input_activations": None, "output_activations": None, "format": None}},
+        "format": _CT_FORMAT[weight_fmt],
+        "global_compression_ratio": None,
+        "ignore": list(ignore),
+        "kv_cache_scheme": None,
+        "moe_sparsity_config": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": CT_VERSION,
+    }
+
+
+def _experts_modules(model: nn.Module):
+    from workbench.model.experts import GroupedExperts
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, GroupedExperts)]
+
+
+def _packed_experts(model: nn.Module, recipe, packed: Mapping[str, Any] | None) -> dict[str, Any]:
+    """{param name: QuantizedTensor [E_local, out, in]} for every routed-expert stack."""
+    names = [f"{n}.{w}" for n, _ in _experts_modules(model) for w in _PROJ]
+    if packed is None:
+        try:
+            from workbench.qat import convert
+        except ImportError:
+            convert = None
+        if convert is not None and any(getattr(m, "grouped_mm", None) is not None and
+                                       m.grouped_mm.__module__ != "workbench.qat.grouped"
+                                       for _, m in _experts_modules(model)):
+            packed = convert(model)
+        else:
+            # Not prepared for QAT: quantize the masters directly. NVFP4 gets one global scale
+            # per expert (the EP-invariant choice, as every expert is its own Linear on disk).
+            from workbench.formats import quantize
+
+            packed = {}
+            for n, m in _experts_modules(model):
+                for w in _PROJ:
+                    x = getattr(m, w).detach()
+                    kw = {}
+                    if recipe.fmt == "nvfp4":
+                        kw["global_amax"] = x.float().abs().amax(dim=(1, 2), keepdim=True)
+                    packed[f"{n}.{w}"] = quantize(x, recipe, **kw)
+    missing = [n for n in names if n not in packed]
+    if missing:
+        raise ExportError(f"packed weights lack the routed-expert stacks {missing[:4]}")
+    return {n: packed[n] for n in names}
+
+
+def _expert_tensors(model: nn.Module, fmt: str, recipe, packed) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    if fmt == "bf16":
+        for n, m in _experts_modules(model):
+            for w, proj in _PROJ.items():
+                stack = getattr(m, w).detach()
+                for k in range(m.num_experts):
+                    out[f"{n}.{m.expert_offset + k}.{proj}.weight"] = stack[k].to(torch.bfloat16)
+        return out
+    q_by_name = _packed_experts(model, recipe, packed)
+    for n, m in _experts_modules(model):
+        for w, proj in _PROJ.items():
+            q = q_by_name[f"{n}.{w}"]
+            if q.fmt != recipe.fmt:
+                raise ExportError(f"{n}.{w} is packed as {q.fmt}, the export asks for {recipe.fmt}")
+            if tuple(q.shape) != tuple(getattr(m, w).shape):
+                raise ExportError(f"{n}.{w}: packed logical shape {q.shape} != parameter shape "
+                                  f"{tuple(getattr(m, w).shape)}")
+            gs = q.global_scale
+            for k in range(m.num_experts):
+                base = f"{n}.{m.expert_offset + k}.{proj}"
+                out[f"{base}.weight_packed"] = q.data[k].contiguous()
+                out[f"{base}.weight_scale"] = q.scale[k].contiguous()
+                if recipe.fmt == "nvfp4":
+                    g = gs.float().reshape(-1)
+                    g = g[k] if g.numel() > 1 else g[0]
+                    # compressed-tensors stores the encode direction: x_q = x * gs / scale.
+                    out[f"{base}.weight_global_scale"] = (1.0 / g).reshape(1).contiguous()
+    return out
+
+
+def _dense_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    expert_mods = {n for n, _ in _experts_modules(model)}
+    out = {}
+    for name, p in model.named_parameters():  # a tied lm_head appears once, as the embedding
+        if name.rpartition(".")[0] in expert_mods:
+            continue
+        out[name] = p.detach().to(torch.bfloat16).contiguous()
+    return out
+
+
+def _scope_patterns(scope, names: list[str], packed_modules: set[str]) -> tuple[list[str], list[str]]:
+    """CT targets/ignore from the scope; checks scope and packed set agree on every module."""
+    targets: list[str] = []
+    for name in names:
+        module = name.rpartition(".")[0]
+        d = scope.decide(module + ".weight")
+        if d.quantized != (module in packed_modules):
+            raise ExportError(f"scope {scope.label!r} says {module} is "
+                              f"{'quantized' if d.quantized else 'not quantized'} ({d.reason}), "
+                              "but the packed export packs exactly the routed experts")
+        if d.quantized and d.target not in targets:
+            targets.append(d.target)
+    ignore = [p.text for p in scope.ignore]
+    return targets, ignore
+
+
+def _hf_config(model: nn.Module) -> dict:
+    from workbench.model.config import to_hf_config
+
+    cfg = json.loads(to_hf_config(model.config).to_json_string())
+    cfg["dtype"] = "bfloat16"
+    return cfg
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
+                 recipe: str | None = None, profile: str | None = None,
+                 group: dist.ProcessGroup | None = None, packed: Mapping[str, Any] | None = None,
+                 scope=None) -> Path:
+    """Collective under EP (every rank of `group` calls it). Returns `out_dir`.
+
+    fmt "compressed-tensors" packs the weight format of `recipe` ("mxfp4", "mxfp4+mxfp8" ->
+    MXFP4 weights; "nvfp4"); `packed` may pass `workbench.qat.convert(model)`'s output, else it
+    is computed (convert() when the model is prepared, the codec otherwise)."""
+    from safetensors.torch import save_file
+
+    if fmt not in ("bf16", "compressed-tensors"):
+        raise ExportError(f"export format must be 'bf16' or 'compressed-tensors', got {fmt!r}")
+    rank = dist.get_rank(group) if group is not None else 0
+    world = dist.get_world_size(group) if group is not None else 1
+    out_dir = Path(out_dir)
+    tmp = out_dir.parent / f".tmp-{out_dir.name}"
+    wrecipe = None
+    if fmt == "compressed-tensors":
+        from workbench.qat.recipe import parse_qat_recipe
+
+        if recipe is None:
+            raise ExportError("compressed-tensors export needs the recipe (mxfp4 or nvfp4)")
+        wrecipe = parse_qat_recipe(recipe, profile).weight
+        if wrecipe is None or wrecipe.fmt not in _CT_WEIGHTS:
+            raise ExportError(f"recipe {recipe!r} has no FP4 weight format to pack")
+
+    tensors = _expert_tensors(model, fmt, wrecipe, packed)
+    if rank == 0:
+        tensors = {**_dense_tensors(model), **tensors}
+    shard = f"model-{rank + 1:05d}-of-{world:05d}.safetensors"
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    if group is not None:
+        dist.barrier(group=group)
+    save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
+    _fsync_file(tmp / shard)
+    entry = (shard, sorted(tensors), sum(t.numel() * t.element_size() for t in tensors.values()))
+    entries = [entry]
+    if group is not None:
+        entries = [None] * world
+        dist.all_gather_object(entries, entry, group=group)
+
+    if rank == 0:
+        weight_map = {k: s for s, keys, _ in entries for k in keys}
+        hf_cfg = _hf_config(model)
+        if fmt == "compressed-tensors":
+            if scope is None:
+                from workbench.scope import QuantScope
+
+                scope = QuantScope.preset("routed-experts", str(wrecipe))
+            packed_modules = {k.rpartition(".")[0] for k in weight_map if k.endswith(".weight_packed")}
+            modules = sorted({k.rpartition(".")[0] + ".weight" for k in weight_map
+                              if k.endswith((".weight", ".weight_packed"))})
+            targets, ignore = _scope_patterns(scope, modules, packed_modules)
+            hf_cfg["quantization_config"] = ct_quantization_config(wrecipe.fmt, targets, ignore)
+        index = {"metadata": {"total_size": sum(n for _, _, n in entries)},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        for name, obj in ((INDEX_FILE, index), ("config.json", hf_cfg)):
+            with open(tmp / name, "w") as f:
+                json.dump(obj, f, indent=2, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+        old = out_dir.parent / f".old-{out_dir.name}"
+        if out_dir.exists():
+            os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        fd = os.open(out_dir.parent, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        if old.exists():
+            shutil.rmtree(old)
+    if group is not None:
+        dist.barrier(group=group)
+    return out_dir
