@@ -119,3 +119,10 @@ def wandb_dir(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("wandb_runs")
     runs = [exact_run(), big_run(), *resume_runs(), judge_run(), *group_runs()]
     return write_runs(tmp, runs)
+
+
+def find_group_run(wandb_dir: Path, group: str, name: str):
+    from workbench.track import find_runs
+
+    (run,) = [r for r in find_runs(wandb_dir, group=group) if r.name == name]
+    return run

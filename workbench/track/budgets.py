@@ -31,6 +31,13 @@ class Verdict:
     passed: bool | None
     detail: str
 
+    def __post_init__(self) -> None:
+        # Budgets compute with numpy; the verdict holds plain Python values (JSON, summaries).
+        object.__setattr__(self, "measured", float(self.measured))
+        object.__setattr__(self, "limit", float(self.limit))
+        if self.passed is not None:
+            object.__setattr__(self, "passed", bool(self.passed))
+
 
 class Budget(Protocol):
     @property
