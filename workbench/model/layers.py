@@ -32,8 +32,16 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
+        self.reset_inv_freq()
+
+    @torch.no_grad()
+    def reset_inv_freq(self) -> None:
+        """(Re)compute the frequencies in fp32 on the buffer's device (after meta init/to_empty)."""
+        device = self.inv_freq.device
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float, device=device) / self.head_dim
+        self.inv_freq = 1.0 / (self.theta ** exponent)
 
     def forward(self, positions_BS: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:

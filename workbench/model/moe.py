@@ -18,8 +18,7 @@ from workbench.model.router import TopKRouter
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, cfg: MoEConfig, *, ep_rank: int = 0, ep_size: int = 1,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: MoEConfig, *, ep_rank: int = 0, ep_size: int = 1) -> None:
         super().__init__()
         if cfg.num_experts % ep_size:
             raise ValueError(f"num_experts ({cfg.num_experts}) must be divisible by the expert-"
@@ -28,7 +27,7 @@ class MoEBlock(nn.Module):
         self.gate = TopKRouter(cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.norm_topk_prob)
         self.experts = GroupedExperts(local, cfg.hidden_size, cfg.expert_ffn,
                                       num_global_experts=cfg.num_experts,
-                                      expert_offset=ep_rank * local, device=device, dtype=dtype)
+                                      expert_offset=ep_rank * local)
         self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_ffn) if cfg.shared_expert_ffn else None
         self.shared_expert_gate = (nn.Linear(cfg.hidden_size, 1, bias=False)
                                    if cfg.shared_expert_gate else None)

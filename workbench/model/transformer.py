@@ -36,12 +36,10 @@ class MoEOutput:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: MoEConfig, layer: int, *, ep_rank: int, ep_size: int,
-                 device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+    def __init__(self, cfg: MoEConfig, layer: int, *, ep_rank: int, ep_size: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp: nn.Module = (MoEBlock(cfg, ep_rank=ep_rank, ep_size=ep_size, device=device,
-                                        dtype=dtype)
+        self.mlp: nn.Module = (MoEBlock(cfg, ep_rank=ep_rank, ep_size=ep_size)
                                if cfg.is_moe_layer(layer) else SwiGLU(cfg.hidden_size, cfg.dense_ffn))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
@@ -57,13 +55,11 @@ class DecoderLayer(nn.Module):
 
 
 class MoEModel(nn.Module):
-    def __init__(self, cfg: MoEConfig, *, ep_rank: int, ep_size: int,
-                 device: torch.device | str | None, dtype: torch.dtype | None) -> None:
+    def __init__(self, cfg: MoEConfig, *, ep_rank: int, ep_size: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, ep_rank=ep_rank, ep_size=ep_size, device=device, dtype=dtype)
-            for i in range(cfg.num_layers))
+            DecoderLayer(cfg, i, ep_rank=ep_rank, ep_size=ep_size) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
 
@@ -82,16 +78,23 @@ class MoEForCausalLM(nn.Module):
         self.config = cfg
         ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
         ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
-        self.model = MoEModel(cfg, ep_rank=ep_rank, ep_size=ep_size, device=device, dtype=dtype)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
+        # Build on the meta device, then allocate: no throw-away default init (GBs for the GPU
+        # presets) and no draw from the global RNG, so building a model never shifts the data
+        # order of a seeded run. reset_parameters below fills every tensor.
+        with torch.device("meta"):
+            self.model = MoEModel(cfg, ep_rank=ep_rank, ep_size=ep_size)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if dtype is not None:
+            self.to(dtype=dtype)
+        self.to_empty(device=device if device is not None else torch.get_default_device())
+        if cfg.tie_embeddings:  # after to_empty, which would allocate the two names separately
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.to(device=device, dtype=dtype)
+        self.model.rotary_emb.reset_inv_freq()
         self.ep_group: dist.ProcessGroup | None = None
         if ep_group is not None:
             from workbench.model.parallel import install_expert_parallel
             install_expert_parallel(self, ep_group)
-        if torch.device(device or "cpu").type != "meta":
+        if self.lm_head.weight.device.type != "meta":
             self.reset_parameters(seed)
 
     @torch.no_grad()
