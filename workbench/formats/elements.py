@@ -7,6 +7,8 @@ microxcaling rounds ties away from zero. All saturate to +-6.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .constants import E2M1_MAGNITUDES, E2M1_SIGN_BIT, E8M0_BIAS
@@ -14,30 +16,39 @@ from .constants import E2M1_MAGNITUDES, E2M1_SIGN_BIT, E8M0_BIAS
 # Midpoints between consecutive E2M1 magnitudes: boundary i separates code i from code i+1.
 _E2M1_BOUNDARIES = tuple((a + b) / 2 for a, b in zip(E2M1_MAGNITUDES, E2M1_MAGNITUDES[1:]))
 TIE_MODES = ("even", "down", "away")
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def e2m1_magnitude_code(mag: torch.Tensor, ties: str = "even") -> torch.Tensor:
+    """Round non-negative values (any float dtype) to the E2M1 magnitude code 0..7, saturating.
+
+    One comparison per boundary, accumulated in place: every boundary is exact in bf16/fp16/fp32,
+    so comparing in the input dtype is exact and no fp32 temporary is made. NaN gives 0.
+    """
+    if ties not in TIE_MODES:
+        raise ValueError(f"ties must be one of {TIE_MODES}, got {ties!r}")
+    code = torch.zeros(mag.shape, dtype=torch.uint8, device=mag.device)
+    hit = torch.empty(mag.shape, dtype=torch.bool, device=mag.device)
+    for i, bound in enumerate(_E2M1_BOUNDARIES):
+        # At boundary i (between codes i and i+1) a tie goes up for "away", and for "even"
+        # exactly when the upper code i+1 is even.
+        up = ties == "away" or (ties == "even" and i % 2 == 1)
+        (torch.ge if up else torch.gt)(mag, bound, out=hit)
+        code += hit
+    return code
 
 
 def e2m1_encode(v: torch.Tensor, ties: str = "even") -> torch.Tensor:
-    """Round fp32 values (already divided by their block scale) to E2M1 codes (uint8, 0..15).
+    """Round values (already divided by their block scale) to E2M1 codes (uint8, 0..15).
 
     Saturates at +-6. The sign bit follows ``signbit`` so -0.0 and tiny negatives give 0x8,
     as torchao and ml_dtypes do. NaN inputs are the caller's business (profiles differ).
     """
-    if ties not in TIE_MODES:
-        raise ValueError(f"ties must be one of {TIE_MODES}, got {ties!r}")
-    v = v.float()
-    mag = v.abs()
-    bounds = torch.tensor(_E2M1_BOUNDARIES, dtype=torch.float32, device=v.device)
-    # right=False: number of boundaries strictly below mag, i.e. ties go to the lower code here.
-    code = torch.bucketize(mag, bounds, right=False)
-    on_tie = (mag.unsqueeze(-1) == bounds).any(-1)
-    if ties == "away":
-        code = code + on_tie.to(code.dtype)
-    elif ties == "even":
-        # At boundary i, the lower code is i; go up when the upper code (i + 1) is even.
-        code = code + (on_tie & (code % 2 == 1)).to(code.dtype)
-    # saturation: values above 6 land on code 7 already (bucketize caps at len(bounds) == 7)
-    code = code.to(torch.uint8)
-    return code | (torch.signbit(v).to(torch.uint8) * E2M1_SIGN_BIT)
+    if not v.is_floating_point():
+        v = v.float()
+    code = e2m1_magnitude_code(v.abs(), ties)
+    code |= torch.signbit(v).to(torch.uint8) << 3
+    return code
 
 
 def e2m1_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -52,7 +63,12 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     """[..., K] codes -> [..., K/2] bytes; element 2i in the low nibble, 2i+1 in the high nibble."""
     if codes.shape[-1] % 2:
         raise ValueError(f"cannot pack an odd number of FP4 codes (last dim {codes.shape[-1]})")
-    codes = codes.to(torch.uint8)
+    codes = codes.to(torch.uint8).contiguous()
+    # Read each (2i, 2i+1) pair as one little-endian int16 w = lo + 256*hi (codes < 16):
+    # w | w >> 4 has lo | hi << 4 in its low byte, one pass instead of two strided ones.
+    if codes.numel() and codes.storage_offset() % 2 == 0 and _LITTLE_ENDIAN:
+        w = codes.view(torch.int16)
+        return (w | (w >> 4)).to(torch.uint8)
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 

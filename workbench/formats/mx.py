@@ -1,54 +1,157 @@
 """MX block formats (OCP Microscaling v1.0): one E8M0 scale per 32 elements along the last dim.
 
-PRELIMINARY: the scale rules of every profile and their special-value behaviour are being
-completed and checked against torchao / compressed-tensors / ModelOpt (see FORMATS.md).
+One encode path and one decode path for every profile; what differs between libraries is data
+in ``mx_profiles.PROFILES`` (scale rule, multipliers per byte, tie rule, sign rule, specials).
+
+Shape legend: ``x_BK`` is the input viewed as ``[..., nblocks, 32]``; ``amax_B`` / ``byte_B``
+have one entry per block; ``codes_BK`` the E2M1 codes; ``data`` / ``scale`` are what
+``QuantizedTensor`` stores.
+
+Speed: bf16 inputs are scaled and rounded in bf16 (a power-of-two multiple of a bf16 value is
+a bf16 value unless it falls below 2^-126, where it rounds to 0 or +-0.5 either way), so the
+element pass never makes an fp32 copy of the tensor. Blocks with a non-finite amax go through a
+separate fp32 path that repeats each library's arithmetic, NaN payloads included.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .constants import E8M0_BIAS, FormatSpec
-from .elements import e2m1_decode, e2m1_encode, e8m0_to_fp32, fp32_exponent, fp32_mantissa, pack_fp4, unpack_fp4
+from .constants import FormatSpec
+from .elements import e2m1_magnitude_code, pack_fp4
+from .mx_profiles import MXProfile, decode_scales, encode_multipliers, mx_profile, scale_byte
+
+# torchao's _f32_to_floatx_unpacked on a NaN: its "normal" branch adds these to the bits.
+_TORCHAO_NAN_ADD = ((1 - 127) << 23) + ((1 << 21) - 1)
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
-def scale_byte(amax: torch.Tensor, spec: FormatSpec, profile: str) -> torch.Tensor:
-    """E8M0 byte for each block amax (fp32) under a profile's scale rule."""
-    e = fp32_exponent(amax)
-    if profile == "floor":
-        k = e - spec.elem_emax
-    elif profile == "rceil":
-        # smallest k with elem_max * 2^k >= amax, in integers: bump when amax's mantissa exceeds
-        # elem_max's (6 = 1.5 * 2^2, 448 = 1.75 * 2^8, 57344 = 1.75 * 2^15).
-        max_mant = fp32_mantissa(torch.tensor(spec.elem_max))
-        k = e - spec.elem_emax + (fp32_mantissa(amax) > max_mant).to(torch.int32)
+def _work_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+
+
+def block_amax(x_BK: torch.Tensor, prof: MXProfile) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 amax per block as the profile's library reduces it, and the non-finite-block mask."""
+    amax_B = x_BK.abs().amax(-1).float()
+    bad_B = ~torch.isfinite(amax_B)
+    if prof.nan_amax == "ignore" and bad_B.any():
+        # max.f32 / maxnum skip NaN operands; an all-NaN block still reduces to NaN
+        sub = x_BK[bad_B].float().abs()
+        m = torch.where(torch.isnan(sub), float("-inf"), sub).amax(-1)
+        amax_B[bad_B] = torch.where(m == float("-inf"), float("nan"), m)
+    return amax_B, bad_B
+
+
+def _sign_bits(v: torch.Tensor, prof: MXProfile) -> torch.Tensor:
+    if prof.sign == "bits":
+        neg = torch.signbit(v)
+    elif prof.sign == "negative":
+        neg = v < 0
+    else:  # "not-positive": (2 - sign(v)) // 2 is 1 for +-0.0 too
+        neg = ~(v > 0)
+    return neg.to(torch.uint8) << 3
+
+
+def _fp4_codes(v: torch.Tensor, prof: MXProfile) -> torch.Tensor:
+    code = e2m1_magnitude_code(v.abs(), prof.ties)
+    code |= _sign_bits(v, prof)
+    return code
+
+
+def _fp4_special_codes(v: torch.Tensor, prof: MXProfile) -> torch.Tensor:
+    """E2M1 codes of fp32 values that may be NaN, as each library's rounding code treats them."""
+    code = _fp4_codes(v, prof)
+    nan = torch.isnan(v)
+    if not nan.any():
+        return code
+    if prof.sign == "bits" and prof.scale_rule != "round-up-bits":
+        # torchao: NaN falls into the "normal" branch of _f32_to_floatx_unpacked; the code is
+        # what its integer rounding makes of the NaN's bits (3 for the canonical quiet NaN).
+        bits = v.view(torch.int32) & 0x7FFFFFFF
+        mag = ((bits + _TORCHAO_NAN_ADD + ((bits >> 22) & 1)) >> 22) & 0x7
+        nan_code = mag.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
+    elif prof.scale_rule == "round-up-bits":
+        # triton_kernels: exponent field 255 saturates to code 7, sign bit kept
+        nan_code = 7 | (torch.signbit(v).to(torch.uint8) << 3)
     else:
-        raise NotImplementedError(f"MX profile {profile!r} is not implemented yet")
-    byte = (k + E8M0_BIAS).clamp(0, 254)
-    byte = torch.where(amax == 0, torch.zeros_like(byte), byte)
-    return byte.to(torch.uint8)
+        # compressed-tensors and ModelOpt cast NaN to an integer (undefined in C); x86 gives 0.
+        nan_code = torch.zeros_like(code)
+    return torch.where(nan, nan_code, code)
 
 
 def quantize_mx(x: torch.Tensor, spec: FormatSpec, profile: str) -> tuple[torch.Tensor, torch.Tensor]:
-    xb = _blocks(x.float(), spec.block)
-    amax = xb.abs().amax(-1)
-    byte = scale_byte(amax, spec, profile)
-    v = xb / e8m0_to_fp32(byte).unsqueeze(-1)
-    v = v.reshape(x.shape)
+    """Encode ``x`` ([..., K], K a multiple of 32) -> (data, E8M0 bytes [..., K/32])."""
+    prof = mx_profile(profile, spec)
+    x_BK = _blocks(x, spec.block)
+    amax_B, bad_B = block_amax(x_BK, prof)
+    byte_B = scale_byte(amax_B, spec, prof)
+    mult_B = encode_multipliers(prof).to(x.device)[byte_B.long()]
+    wdt = _work_dtype(x)
+    # powers of two, 0, 1, NaN: exact in bf16 too
+    v_BK = x_BK.to(wdt) * mult_B.to(wdt).unsqueeze(-1)
+    any_bad = bool(bad_B.any())
+    if any_bad:
+        # the libraries run these blocks in fp32 (torchao, ModelOpt, triton_kernels)
+        v_bad = x_BK[bad_B].float() * mult_B[bad_B].unsqueeze(-1)
     if spec.element == "e2m1":
-        data = pack_fp4(e2m1_encode(v))
+        codes_BK = _fp4_codes(v_BK, prof)
+        if any_bad:
+            codes_BK[bad_B] = _fp4_special_codes(v_bad, prof)
+        data = pack_fp4(codes_BK.reshape(x.shape))
     else:
-        data = v.clamp(-spec.elem_max, spec.elem_max).to(spec.elem_dtype)
-    return data, byte
+        # clamp then cast: torchao's eager path, ModelOpt and compressed-tensors clamp first;
+        # Triton's satfinite cast gives the same bytes. NaN survives the clamp.
+        v_BK = v_BK.clamp_(-spec.elem_max, spec.elem_max)
+        data_BK = v_BK.to(spec.elem_dtype)
+        if any_bad:
+            data_BK[bad_B] = v_bad.clamp(-spec.elem_max, spec.elem_max).to(spec.elem_dtype)
+        data = data_BK.reshape(x.shape)
+    return data, byte_B
+
+
+def _fp4_pair_lut(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[256, 2]: the two E2M1 values packed in each byte (low nibble first); 0x8 is -0.0."""
+    mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    vals = torch.cat([mags, -mags])
+    b = torch.arange(256)
+    return torch.stack([vals[b & 0xF], vals[b >> 4]], dim=-1).to(dtype=dtype, device=device)
 
 
 def dequantize_mx(
     data: torch.Tensor, scale: torch.Tensor, spec: FormatSpec, profile: str, dtype: torch.dtype
 ) -> torch.Tensor:
-    vals = e2m1_decode(unpack_fp4(data)) if spec.element == "e2m1" else data.float()
-    vb = _blocks(vals, spec.block) * e8m0_to_fp32(scale).unsqueeze(-1)
-    return vb.reshape(vals.shape).to(dtype)
+    """Decode to ``dtype`` with the profile's reading of E8M0 bytes 0x00 and 0xFF.
+
+    Element * scale is exact in fp32 (both are short powers-of-two multiples), so computing it in
+    bf16 (for a bf16 output) or in fp32 and casting once gives the bytes every library gives.
+    """
+    prof = mx_profile(profile, spec)
+    if scale.dtype != torch.uint8:
+        raise TypeError(f"MX scales must be uint8 E8M0 bytes, got {scale.dtype}")
+    # fp16 cannot hold most E8M0 scales: multiply in fp32 and round once
+    wdt = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    s_B = decode_scales(prof).to(device=scale.device, dtype=wdt)[scale.long()]
+    if spec.element == "e2m1":
+        if data.dtype != torch.uint8:
+            raise TypeError(f"packed FP4 data must be uint8, got {data.dtype}")
+        lut = _fp4_pair_lut(wdt, data.device)
+        vals = torch.index_select(lut, 0, data.reshape(-1).int())
+        vals = vals.reshape(*data.shape[:-1], data.shape[-1] * 2)
+    else:
+        if data.dtype != spec.elem_dtype:
+            raise TypeError(f"{spec.name} data must be {spec.elem_dtype}, got {data.dtype}")
+        vals = data.to(wdt)
+    k = vals.shape[-1]
+    if s_B.shape != (*vals.shape[:-1], k // spec.block):
+        raise ValueError(
+            f"{spec.name}: scale shape {tuple(scale.shape)} does not match data shape "
+            f"{tuple(data.shape)} (expected {(*vals.shape[:-1], k // spec.block)})"
+        )
+    out_BK = _blocks(vals, spec.block) * s_B.unsqueeze(-1)
+    if prof.dec_saturate:
+        fmax = torch.finfo(dtype).max
+        out_BK = torch.where(torch.isnan(out_BK), out_BK, out_BK.clamp(-fmax, fmax))
+    return out_BK.reshape(vals.shape).to(dtype)
