@@ -162,3 +162,38 @@ def test_read_run_errors(tmp_path):
         read_run(tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="no run-"):
         read_run(tmp_path)
+
+
+@pytest.mark.slow
+def test_live_run_is_readable_while_written(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from conftest import WRITER, wandb_env
+
+    import json
+    hold = tmp_path / "release"
+    rows = [{"step": s, "metrics": {"loss": 1.0 / (s + 1)}} for s in range(30)]
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"dir": str(tmp_path), "runs": [
+        {"name": "live", "group": "live", "rows": rows, "live_hold": str(hold)}]}))
+    proc = subprocess.Popen([sys.executable, str(WRITER), str(spec)], env=wandb_env(tmp_path),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, seen = time.monotonic() + 90, None
+        while time.monotonic() < deadline:
+            runs = find_runs(tmp_path) if list(tmp_path.rglob("run-*.wandb")) else []
+            if runs and len(runs[0].history) >= 29:  # the newest step stays open until finish
+                seen = runs[0]
+                break
+            time.sleep(0.5)
+        assert seen is not None, "no history appeared in the live run file within 90 s"
+        assert not seen.finished
+        assert list(seen.history["loss"][:29]) == [r["metrics"]["loss"] for r in rows[:29]]
+    finally:
+        hold.touch()
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    done = find_runs(tmp_path)[0]
+    assert done.finished and list(done.history["loss"]) == [r["metrics"]["loss"] for r in rows]

@@ -4,6 +4,7 @@ Run as a subprocess (`python wandb_writer.py SPEC.json`) so wandb's global state
 into the test process. Spec: {"dir": ..., "runs": [{"name", "group", "id"?, "tags",
 "config", "rows": [{"step", "metrics"}], "summary", "alerts": [[title, text]],
 "table_at"?, "image_at"?, "publish"?: {"baseline": rows, "alert_twice": bool}}]}.
+With "live_hold": FILE, the last run logs its rows, then waits until FILE exists to finish.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pandas as pd
 
 
 def main(spec_path: str) -> None:
-    from workbench.track import check, make_logger, publish
+    from workbench.track import BudgetWatch, make_logger
     from workbench.track.budgets import StepTimeRatio, ValLossWithin
 
     spec = json.loads(open(spec_path).read())
@@ -45,10 +46,19 @@ def main(spec_path: str) -> None:
             frame = pd.DataFrame([{"step": r["step"], **r["metrics"]} for r in run["rows"]])
             base = pd.DataFrame([{"step": r["step"], **r["metrics"]}
                                  for r in run["publish"]["baseline"]])
-            table = check([ValLossWithin(2.0), StepTimeRatio(2.0)], frame, base)
-            alerted = publish(table, logger, run_name=run["name"])
-            if run["publish"].get("alert_twice"):
-                publish(table, logger, alerted, run_name=run["name"])
+            watch = BudgetWatch([ValLossWithin(2.0), StepTimeRatio(2.0)], logger,
+                                baseline=base, run_name=run["name"])
+            if run["publish"].get("alert_twice"):  # as during a run, then at its end
+                watch.update(frame.iloc[: len(frame) // 2])
+            watch.update(frame)
+        if run.get("live_hold"):
+            import pathlib
+            import time
+
+            hold = pathlib.Path(run["live_hold"])
+            deadline = time.monotonic() + 120
+            while not hold.exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
         if logger.errors:  # the logger swallows wandb errors; a fixture must not
             raise SystemExit(f"wandb calls failed while writing {run['name']}: {logger.errors}")
         logger.finish()

@@ -5,7 +5,7 @@ Importing this package imports pandas but never wandb or matplotlib; those load 
 """
 
 from workbench.track.budgets import (
-    Budget, FakeQuantShare, LossFinite, NoDivergence, PeakMemory, StepTimeRatio,
+    Budget, BudgetWatch, FakeQuantShare, LossFinite, NoDivergence, PeakMemory, StepTimeRatio,
     TokensPerSecRatio, ValLossWithin, Verdict, check, default_budgets, publish,
 )
 from workbench.track.compare import Comparison, RunData, compare, load_runs
@@ -17,7 +17,7 @@ from workbench.track.offline import OfflineRun, find_runs, read_run
 from workbench.track.wandb_file import CorruptRunFile
 
 __all__ = [
-    "BadMetricsFile", "Budget", "Comparison", "CorruptRunFile", "FakeQuantShare", "Logger",
+    "BadMetricsFile", "Budget", "BudgetWatch", "Comparison", "CorruptRunFile", "FakeQuantShare", "Logger",
     "LossFinite", "NoDivergence", "NullLogger", "OfflineRun", "PeakMemory", "RunData",
     "StepTimeRatio", "TokensPerSecRatio", "TrackingWarning", "ValLossWithin", "Verdict",
     "WandbConfig", "WandbLogger", "as_metrics", "check", "compare", "default_budgets",

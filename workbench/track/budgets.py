@@ -13,7 +13,7 @@ that is, is decided by `workbench.track.compare`, not here.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 import numpy as np
@@ -342,3 +342,24 @@ def publish(table: pd.DataFrame, logger: Logger, alerted: set[str] | None = None
                      f"{who}measured {row.measured:.4g}, limit {row.limit:.4g}; {row.detail}")
         alerted.add(row.budget)
     return alerted
+
+
+@dataclass
+class BudgetWatch:
+    """Checks budgets on a growing history and reports each new violation once; call
+    `update` every few steps from the trainer (rank 0) and once at the end."""
+
+    budgets: Sequence[Budget]
+    logger: Logger
+    baseline: Any = None  # a metric frame, OfflineRun or run folder (see `as_metrics`)
+    run_name: str = ""
+    alerted: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.baseline is not None:
+            self.baseline = as_metrics(self.baseline)
+
+    def update(self, run: Any) -> pd.DataFrame:
+        table = check(self.budgets, run, self.baseline)
+        self.alerted = publish(table, self.logger, self.alerted, self.run_name)
+        return table

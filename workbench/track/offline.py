@@ -4,6 +4,10 @@
 resumed with the same wandb run id writes one offline folder per attempt; `find_runs` merges
 the segments of an id in start order, cutting each earlier segment at the first step the next
 one logged, so the curve is continuous like the trainer's metrics.jsonl.
+
+Reading a run that is still being written is safe: wandb appends records a few seconds after
+they are logged (its writer buffers), and keeps the newest step open until the next step is
+logged or the run finishes, so a live run shows all but its last few steps.
 """
 
 from __future__ import annotations
@@ -166,7 +170,7 @@ def _decode(path: Path) -> OfflineRun:
             raise CorruptRunFile(path, off, f"undecodable record: {exc}") from exc
     config.pop("_wandb", None)
     summary.pop("_wandb", None)
-    history = pd.DataFrame(rows)
+    history = pd.DataFrame(rows) if rows else pd.DataFrame({"_step": pd.Series([], dtype="int64")})
     if "_step" in history.columns:
         history = history.sort_values("_step", kind="stable").reset_index(drop=True)
     return OfflineRun(config=config, summary=summary, history=history, alerts=alerts,
