@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-
 from nvfp4_cases import first_difference, gaussian, same_bits, special_tensors
+
 from workbench.formats import dequantize, fake_quantize, quantize
 from workbench.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4_parts
 
@@ -77,7 +77,7 @@ def test_per_expert_global_scales_match_torchao():
     # One global for the whole stack would lose the small expert almost entirely.
     shared = fake_quantize(x, "nvfp4")
     per_expert = dequantize(q, torch.bfloat16)
-    err = lambda y: (y[2].float() - x[2].float()).abs().mean()  # noqa: E731
+    err = lambda y: (y[2].float() - x[2].float()).abs().mean()
     assert err(per_expert) < err(shared)
 
 

@@ -56,6 +56,8 @@ def from_library_global(g: Tensor | float, profile: str) -> Tensor:
     ``weight_global_scale``, TE amax, torchao ``per_tensor_scale``) -> decode-direction fp32."""
     form = get_profile(profile).global_form
     g = torch.as_tensor(g, dtype=torch.float32)
+    if g.dim() == 1 and g.numel() == 1:  # compressed-tensors stores a [1] tensor
+        g = g.reshape(())
     if form == "decode":
         return g
     if form == "amax":

@@ -84,7 +84,8 @@ def _te_global(amax: Tensor) -> Tensor:
 
 def _te_s_enc(amax: Tensor) -> Tensor:
     # compute_global_encode_scaling_factor_FP4: fminf(2688/amax, FLT_MAX); 1 for amax 0 or inf.
-    s_enc = torch.fmin(NVFP4_GLOBAL_DIVISOR / amax, _f32(_FLT_MAX))
+    # A true fp32 division: torch's `scalar / tensor` is reciprocal(tensor) * scalar instead.
+    s_enc = torch.fmin(_f32(NVFP4_GLOBAL_DIVISOR) / amax, _f32(_FLT_MAX))
     return torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
 
 
@@ -130,6 +131,8 @@ def _modelopt_decode(c: Tensor, s: Tensor, wsf2: Tensor) -> Tensor:
 
 def _ct_global(amax: Tensor) -> Tensor:
     # generate_gparam: 2688 / max(amax, tiny), NaN and +-inf replaced by 1 (an amax of inf gives 0).
+    # `2688.0 / tensor` is what the library writes; torch evaluates it as reciprocal(amax) * 2688,
+    # which differs from a true division in the last bit for some amax. Keep the same expression.
     g = NVFP4_GLOBAL_DIVISOR / amax.clamp(min=torch.finfo(torch.float32).tiny)
     return torch.nan_to_num(g, nan=1.0, posinf=1.0, neginf=1.0)
 

@@ -1,0 +1,132 @@
+"""The ``te`` NVFP4 profile against an independent numpy transcription of Transformer Engine.
+
+TE cannot be installed here (CUDA libraries at import; its FP4 kernels need sm_100), so the
+oracle below is written from TE's CUDA source, not from our code: ``core_nvfp4.cuh``
+(``compute_global_encode_scaling_factor_FP4``, ``quantization_and_transposition_SF::
+compute_decoding_scaling_factor``, ``compute_scaling_coefficient<float>``), the amax reductions
+of ``quantize_transpose_nvfp4.cuh`` (``fmaxf`` from 0, which skips NaN) and
+``dequantize_nvfp4.cuh``. Element and e4m3 casts come from ml_dtypes, a third implementation.
+Assumed, not verifiable without sm_100: ``cvt.rn.satfinite`` to e2m1 gives 0x7 for NaN.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from nvfp4_cases import first_difference, gaussian, same_bits, special_tensors
+
+from workbench.formats import dequantize, fake_quantize, quantize
+from workbench.formats.elements import unpack_fp4
+from workbench.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4_parts
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+F32 = np.float32
+FLT_MAX = F32(np.finfo(np.float32).max)
+
+
+def _fmax_abs(a: np.ndarray, axes) -> np.ndarray:
+    # CUDA fmaxf(acc, fabsf(v)) starting at 0: NaN operands are ignored.
+    return np.fmax.reduce(np.abs(a), axis=axes, initial=F32(0.0)).astype(F32)
+
+
+def te_reference(x: np.ndarray, amax: np.float32 | None = None, tile_rows: int = 1):
+    """Codes [R, K], e4m3 scale bytes [R, K/16], decoded fp32 [R, K] for a 2-D fp32 array."""
+    rows, k = x.shape
+    if amax is None:
+        amax = _fmax_abs(x, None)
+    amax = F32(amax)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        s_enc = np.fmin(F32(448.0) * F32(6.0) / amax, FLT_MAX)
+        if amax == 0 or s_enc == 0:
+            s_enc = F32(1.0)
+        s_dec = F32(F32(1.0) / s_enc)
+        blocks = x.reshape(rows, k // 16, 16)
+        if tile_rows == 1:
+            bamax = _fmax_abs(blocks, 2)
+        else:
+            tiles = x.reshape(rows // 16, 16, k // 16, 16)
+            bamax = np.repeat(_fmax_abs(tiles, (1, 3)), 16, axis=0)
+        s_dec_b = np.fmin(bamax * (s_enc * F32(F32(1.0) / F32(6.0))), FLT_MAX)
+        scale = np.clip(s_dec_b, -448.0, 448.0).astype(F32).astype(ml_dtypes.float8_e4m3fn)
+        scale_f = scale.astype(F32)
+        rcp = np.fmin(F32(1.0) / (scale_f * s_dec), FLT_MAX)
+        v = (blocks * rcp[..., None]).astype(F32).reshape(rows, k)
+        codes = np.clip(v, -6.0, 6.0).astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
+        codes = np.where(np.isnan(v), np.uint8(7), codes)
+        factor_inv = F32(1.0 / (6.0 * 448.0))
+        final_scale = (scale_f * amax) * factor_inv
+        values = codes.view(ml_dtypes.float4_e2m1fn).astype(F32).reshape(rows, k // 16, 16)
+        decoded = (values * final_scale[..., None]).astype(F32).reshape(rows, k)
+    return codes, scale.view(np.uint8), decoded
+
+
+def check_against_te(x: torch.Tensor, tile_rows: int = 1, global_amax=None) -> None:
+    xf = x.float().numpy()
+    codes, scale, decoded = te_reference(xf, None if global_amax is None else F32(global_amax),
+                                         tile_rows)
+    p = quantize_nvfp4_parts(x, "te", global_amax, tile_rows=tile_rows)
+    ours_codes = unpack_fp4(p.data)
+    assert torch.equal(ours_codes, torch.from_numpy(codes)), \
+        first_difference(ours_codes, torch.from_numpy(codes))
+    assert torch.equal(p.scale.view(torch.uint8), torch.from_numpy(scale))
+    ours = dequantize_nvfp4(p.data, p.scale, p.global_scale, "te", torch.float32,
+                            library_global=p.library_global)
+    assert same_bits(ours, torch.from_numpy(decoded)), \
+        first_difference(ours, torch.from_numpy(decoded))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 50.0])
+def test_gaussian_matches_te_transcription(dtype, scale):
+    check_against_te(gaussian((64, 256), dtype, seed=10, scale=scale))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_16x16_weight_tiles_match_te_transcription(dtype):
+    x = gaussian((48, 64), dtype, seed=11)
+    x[16:32, :16] *= 50.0  # one loud tile: its 16 rows share a scale, other tiles do not
+    check_against_te(x, tile_rows=16)
+    q = quantize_nvfp4_parts(x, "te", tile_rows=16)
+    assert (q.scale[16:32, 0] == q.scale[16, 0]).all()
+    assert not torch.equal(q.scale[16:32, 0], quantize_nvfp4_parts(x, "te").scale[16:32, 0])
+
+
+def test_zero_tensor_and_inf_amax_use_unit_encode_scale():
+    check_against_te(torch.zeros(2, 32))
+    x = gaussian((2, 32), seed=12)
+    x[1, 4] = float("inf")
+    check_against_te(x)
+    check_against_te(gaussian((4, 32), seed=13), global_amax=0.0)
+
+
+def test_calibrated_amax_saturates():
+    check_against_te(gaussian((8, 64), seed=14, scale=3.0), global_amax=1.0)
+
+
+def test_decode_from_decode_direction_global_is_close():
+    # QuantizedTensor keeps amax/2688; TE decodes from the amax, so decoding without the
+    # library global can move a value by a couple of fp32 ulps, never more.
+    worst = 0
+    for seed in range(12):
+        x = gaussian((16, 64), seed=seed, scale=0.29 * (seed + 1))
+        q = quantize(x, "nvfp4", "te")
+        exact = dequantize_nvfp4(q.data, q.scale, q.global_scale, "te", torch.float32,
+                                 library_global=x.abs().amax())
+        ulps = (exact.view(torch.int32) - dequantize(q, torch.float32).view(torch.int32)).abs()
+        worst = max(worst, int(ulps.max()))
+    assert worst <= 2
+    assert same_bits(fake_quantize(x, "nvfp4", "te"), dequantize(q, torch.float32))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(x=special_tensors())
+def test_special_values_match_te_transcription(x):
+    check_against_te(x)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(x=special_tensors(max_rows=1, max_blocks=2))
+def test_special_values_in_tiles_match_te_transcription(x):
+    check_against_te(x.repeat(16, 1), tile_rows=16)
