@@ -25,7 +25,10 @@ def _sort_assignments(experts_TK: torch.Tensor, num_experts: int
     flat_A = experts_TK.reshape(-1)
     order_A = torch.argsort(flat_A, stable=True)
     token_A = order_A // experts_TK.shape[1]
-    counts_E = torch.bincount(flat_A, minlength=num_experts)
+    # scatter_add into a fixed-size buffer instead of bincount: same counts, but a static output
+    # shape, so torch.compile does not break the graph here.
+    counts_E = torch.zeros(num_experts, dtype=torch.long, device=flat_A.device)
+    counts_E = counts_E.scatter_add(0, flat_A, torch.ones_like(flat_A))
     return order_A, token_A, counts_E
 
 

@@ -55,7 +55,8 @@ def load_balancing_loss(logits: Sequence[torch.Tensor], num_experts: int, top_k:
     for logits_TE in logits:
         probs_TE = torch.softmax(logits_TE.float(), dim=-1)
         _, idx_TK = torch.topk(probs_TE, top_k, dim=-1)
-        counts_E = counts_E + torch.bincount(idx_TK.reshape(-1), minlength=num_experts).float()
+        flat = idx_TK.reshape(-1)  # scatter_add, not bincount: static shape for torch.compile
+        counts_E = counts_E.scatter_add(0, flat, torch.ones(flat.shape, device=flat.device))
         probs_E = probs_E + probs_TE.sum(dim=0)
         rows += logits_TE.shape[0]
     rows_t = torch.tensor(float(rows), device=counts_E.device)
