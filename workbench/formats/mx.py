@@ -23,6 +23,8 @@ from .mx_profiles import MXProfile, decode_scales, encode_multipliers, mx_profil
 
 # torchao's _f32_to_floatx_unpacked on a NaN: its "normal" branch adds these to the bits.
 _TORCHAO_NAN_ADD = ((1 - 127) << 23) + ((1 << 21) - 1)
+# triton_kernels' E2M1 rounding loses the 2 lowest mantissa bits of values in [0.25, 0.5).
+_STICKY_EDGE = 0.25 + 3 * 2.0**-25
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -56,7 +58,12 @@ def _sign_bits(v: torch.Tensor, prof: MXProfile) -> torch.Tensor:
 
 
 def _fp4_codes(v: torch.Tensor, prof: MXProfile) -> torch.Tensor:
-    code = e2m1_magnitude_code(v.abs(), prof.ties)
+    mag = v.abs()
+    code = e2m1_magnitude_code(mag, prof.ties)
+    if prof.truncated_sticky and v.dtype == torch.float32:
+        # only fp32 values have mantissa bits that low; bf16 never reaches this window
+        lost = (mag > 0.25) & (mag <= _STICKY_EDGE)
+        code = torch.where(lost, 0, code).to(torch.uint8)
     code |= _sign_bits(v, prof)
     return code
 

@@ -47,6 +47,9 @@ class MXProfile:
     dec_byte255:  "nan" (torchao, ml_dtypes, triton_kernels) or "inf" (2**(b-127) decoders).
     dec_saturate: clamp decoded values to the output dtype's finite range (triton_kernels).
     formats:      formats the library writes with this behaviour.
+    truncated_sticky: E2M1 rounding shifts the low mantissa bits of values in [0.25, 0.5) out
+                  before looking at them (triton_kernels), so fp32 values in
+                  (0.25, 0.25 + 3 * 2^-25] round down to 0 instead of up to 0.5.
     """
 
     name: str
@@ -63,6 +66,7 @@ class MXProfile:
     dec_saturate: bool
     formats: tuple[str, ...]
     source: str
+    truncated_sticky: bool = False
 
     def __post_init__(self) -> None:
         if self.scale_rule not in SCALE_RULES:
@@ -131,7 +135,8 @@ PROFILES: dict[str, MXProfile] = {
                                 enc_byte0=0.0, enc_byte255=0.0, ties="even", sign="bits",
                                 nan_amax="ignore", dec_byte0=_TWO_M127, dec_byte255="nan",
                                 dec_saturate=True, formats=_ALL_MX,
-                                source="triton-lang/triton python/triton_kernels (2025-26 main)"),
+                                source="triton-lang/triton python/triton_kernels (2025-26 main)",
+                                truncated_sticky=True),
 }
 
 
