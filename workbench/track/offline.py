@@ -99,6 +99,18 @@ def _key(item) -> tuple[str, ...]:
     return (item.key,) if item.key else tuple(item.nested_key)
 
 
+def _items(items) -> list[tuple[tuple[str, ...], Any]]:
+    """(key path, decoded value) of repeated history/summary/config items. One json.loads
+    per record instead of per item: a long run has millions of items."""
+    items = list(items)
+    raws = [it.value_json for it in items]
+    if all(raws):
+        values = json.loads("[" + ",".join(raws) + "]")
+    else:  # an empty value_json is malformed; decode one by one so the error says so
+        values = [json.loads(r) for r in raws]
+    return [(_key(it), v) for it, v in zip(items, values)]
+
+
 def _set(d: dict, path: tuple[str, ...], value: Any) -> None:
     for k in path[:-1]:
         nxt = d.get(k)
@@ -145,12 +157,12 @@ def _decode(path: Path) -> OfflineRun:
             kind = rec.WhichOneof("record_type")
             if kind == "history":
                 row: dict[str, Any] = {}
-                for it in rec.history.item:
-                    _set(row, _key(it), json.loads(it.value_json))
+                for path, value in _items(rec.history.item):
+                    _set(row, path, value)
                 rows.append(_flatten(row))
             elif kind == "summary":
-                for it in rec.summary.update:
-                    _set(summary, _key(it), json.loads(it.value_json))
+                for path, value in _items(rec.summary.update):
+                    _set(summary, path, value)
                 for it in rec.summary.remove:
                     _drop(summary, _key(it))
             elif kind == "config":
@@ -179,8 +191,8 @@ def _decode(path: Path) -> OfflineRun:
 
 
 def _apply_config(config: dict[str, Any], rec) -> None:
-    for it in rec.update:
-        _set(config, _key(it), json.loads(it.value_json))
+    for path, value in _items(rec.update):
+        _set(config, path, value)
     for it in rec.remove:
         _drop(config, _key(it))
 
