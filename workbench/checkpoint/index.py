@@ -220,6 +220,9 @@ class ShardIndex:
                     headers[fname] = parse_header(full)
                     self.files.append(full)
                 except CheckpointError as e:
+                    if e.tensor is None:  # name a tensor the index sends to this shard
+                        e = type(e)(f"{e.detail} (the index maps {tname!r} here)",
+                                    path=e.path, tensor=tname)
                     problems.append(e)
             if headers[fname] is None:
                 continue

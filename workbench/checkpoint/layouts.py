@@ -220,6 +220,9 @@ def _check(index, layout, qcfg, base, g, codec, shape) -> list[CheckpointError]:
                                          f"checkpoint's layout is {layout}", path=path,
                                          tensor=g["data"])]
         return []
+    if carried in ROLE_DTYPES and _family(carried) != _family(codec):
+        return [FormatMismatchError(f"config says {codec} but the stored tensors carry "
+                                    f"{carried} ({_dtypes(index, g)})", path=path, tensor=base)]
     errs: list[CheckpointError] = []
     need = ROLE_DTYPES[codec]
     for role in need:
@@ -230,9 +233,6 @@ def _check(index, layout, qcfg, base, g, codec, shape) -> list[CheckpointError]:
                 path=path, tensor=want))
     if errs:
         return errs
-    if carried not in ("?", "packed?") and _family(carried) != _family(codec):
-        return [FormatMismatchError(f"config says {codec} but the stored tensors carry "
-                                    f"{carried} ({_dtypes(index, g)})", path=path, tensor=base)]
     for role, allowed in need.items():
         e = index.entry(g[role])
         if e.dtype not in allowed:
