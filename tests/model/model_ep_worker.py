@@ -34,6 +34,7 @@ def starve_router_(model: MoEForCausalLM) -> None:
         for block in model.moe_blocks():
             w_ED = block.gate.weight
             v, u = torch.randn(2, w_ED.shape[1], generator=gen)
+            v, u = v.to(w_ED.device), u.to(w_ED.device)
             w_ED.zero_()
             w_ED[0], w_ED[1], w_ED[2], w_ED[3] = v, -v, u, -u
 
@@ -43,8 +44,8 @@ def model_inputs():
     return torch.randint(0, 256, (GLOBAL_BATCH, SEQ), generator=gen)
 
 
-def build_model(case: str, ep_group=None) -> MoEForCausalLM:
-    model = MoEForCausalLM(model_config(), seed=0, ep_group=ep_group)
+def build_model(case: str, ep_group=None, device: str | torch.device = "cpu") -> MoEForCausalLM:
+    model = MoEForCausalLM(model_config(), seed=0, ep_group=ep_group, device=device)
     if case == "starved":
         starve_router_(model)
     return model
@@ -90,10 +91,11 @@ def dispatch_upstream(x_TD: torch.Tensor) -> torch.Tensor:
     return torch.sin(1.7 * x_TD.detach() + 0.3)
 
 
-def run_dispatch(case: str, rank: int, world: int, ep: bool) -> dict[str, torch.Tensor]:
-    x, idx, w = dispatch_inputs(case, world)[rank]
+def run_dispatch(case: str, rank: int, world: int, ep: bool,
+                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    x, idx, w = (t.to(device) for t in dispatch_inputs(case, world)[rank])
     x.requires_grad_(True)
-    experts = dispatch_experts()
+    experts = dispatch_experts().to(device)
     if ep:
         local = NUM_EXPERTS // world
         experts.narrow_(rank * local, local)
@@ -102,25 +104,32 @@ def run_dispatch(case: str, rank: int, world: int, ep: bool) -> dict[str, torch.
     (y * dispatch_upstream(x)).sum().backward()
     out = {"y": y.detach(), "x_grad": x.grad}
     out.update({f"{n}_grad": p.grad for n, p in experts.named_parameters()})
+    out = {k: v.cpu() for k, v in out.items()}
     return out
 
 
-def worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def worker(rank: int, world: int, port: int, out_dir: str, backend: str = "gloo") -> None:
+    """backend "gloo": CPU; "nccl": one GPU per rank, the same code path otherwise."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = False  # compare against fp32 CPU math
+    dist.init_process_group(backend, rank=rank, world_size=world)
     from safetensors.torch import save_file
     try:
         out = Path(out_dir)
         for case in MODEL_CASES:
-            model = build_model(case, ep_group=dist.group.WORLD)
+            model = build_model(case, ep_group=dist.group.WORLD, device=device)
             # Building sharded must equal building whole and cutting (per-expert seeded init).
-            whole = build_model(case)
+            whole = build_model(case, device=device)
             shard_experts_(whole, dist.group.WORLD)
             for (n, a), (_, b) in zip(model.named_parameters(), whole.named_parameters()):
                 assert torch.equal(a, b), f"rank {rank}: sharded build differs at {n}"
             per = GLOBAL_BATCH // world
-            ids = model_inputs()[rank * per:(rank + 1) * per]
+            ids = model_inputs()[rank * per:(rank + 1) * per].to(device)
             result = model(ids, ids)
             result.loss.backward()
             sync_gradients(model)
@@ -128,10 +137,10 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
             dist.all_reduce(loss)
             tensors = {"mean_loss": loss / world, "aux_loss": result.aux_loss.detach()}
             tensors.update({f"grad/{n}": p.grad for n, p in model.named_parameters()})
-            save_file({k: v.contiguous() for k, v in tensors.items()},
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
                       out / f"{case}.rank{rank}.safetensors")
         for case in ("sparse", "all_to_expert_0_1"):
-            tensors = run_dispatch(case, rank, world, ep=True)
+            tensors = run_dispatch(case, rank, world, ep=True, device=device)
             save_file({k: v.contiguous() for k, v in tensors.items()},
                       out / f"dispatch_{case}.rank{rank}.safetensors")
         dist.barrier()
