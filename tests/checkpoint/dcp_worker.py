@@ -18,8 +18,11 @@ def run(rank: int, world: int, workdir: str, ckpt_paths: list[str]) -> None:
     from torch.distributed.tensor import DTensor, Shard
 
     from workbench.checkpoint import open_checkpoint
-    from workbench.checkpoint.dcp import (CheckpointStorageReader, LocalChunkLoadPlanner,
-                                          local_expert_state_dict)
+    from workbench.checkpoint.dcp import (
+        CheckpointStorageReader,
+        LocalChunkLoadPlanner,
+        local_expert_state_dict,
+    )
 
     dist.init_process_group("gloo", init_method=f"file://{workdir}/pg", rank=rank, world_size=world)
     try:

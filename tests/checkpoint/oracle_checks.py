@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from oracles import Oracle
 
 # Row/column windows that are not block-aligned for MX (32), NVFP4 (16) or FP8 (128) blocks.

@@ -88,7 +88,7 @@ def _tiny_qwen3_moe(num_experts: int = 4):
 
 def _unfuse_experts(model, gen: torch.Generator) -> None:
     """Replace transformers 5's fused 3-D experts with per-expert nn.Linear (HF per-expert names)."""
-    import torch.nn as nn
+    from torch import nn
 
     class Expert(nn.Module):
         def __init__(self, hidden: int, inter: int):

@@ -5,12 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
 from oracle_checks import assert_bits_equal
 
 from workbench.checkpoint import open_checkpoint
-from workbench.checkpoint.dcp import (CheckpointStorageReader, LocalChunkLoadPlanner,
-                                      local_expert_state_dict, stack_name)
+from workbench.checkpoint.dcp import (
+    CheckpointStorageReader,
+    LocalChunkLoadPlanner,
+    local_expert_state_dict,
+    stack_name,
+)
 
 
 def _expected_stack(oracle, layer, proj, experts):

@@ -12,14 +12,12 @@ import json
 import multiprocessing as mp
 import re
 
+import dcp_worker
 import pytest
 import torch
+from oracle_checks import assert_bits_equal
 from safetensors import safe_open
 from safetensors.torch import load_file
-
-from oracle_checks import assert_bits_equal
-
-import dcp_worker
 
 pytestmark = pytest.mark.distributed
 WORLD = 4
@@ -41,7 +39,8 @@ def _stored_bytes(path, names):
 def _expert_tensors(path):
     """Stored tensors that carry routed-expert weights (biases are not part of expert_weight)."""
     with safe_open(path / "model.safetensors", "pt") as f:
-        return [n for n in f.keys() if ".mlp.experts." in n and not n.endswith("_bias")]
+        names = f.keys()  # safe_open is not a dict
+    return [n for n in names if ".mlp.experts." in n and not n.endswith("_bias")]
 
 
 @pytest.mark.timeout(300)

@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-
 from oracle_checks import assert_bits_equal, check_all
 
 pytest.importorskip("compressed_tensors", reason="compressed-tensors writes these oracles (.[dev])")
-from workbench.checkpoint import open_checkpoint  # noqa: E402
+from workbench.checkpoint import open_checkpoint
 
 
 @pytest.mark.parametrize("which", ["ct_mxfp4", "ct_nvfp4"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from oracle_checks import assert_bits_equal, check_all
 from oracles import fp8_block_dequantize, fp8_block_quantize
 

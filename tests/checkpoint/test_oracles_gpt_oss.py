@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from oracle_checks import assert_bits_equal, check_all
 
 pytest.importorskip("transformers", reason="transformers decodes this oracle (.[dev])")
-from workbench.checkpoint import open_checkpoint  # noqa: E402
+from workbench.checkpoint import open_checkpoint
 
 
 def test_gpt_oss_experts_match_transformers(gpt_oss):

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors import safe_open
-
 from oracle_checks import assert_bits_equal
+from safetensors import safe_open
 
 transformers = pytest.importorskip("transformers", reason="the bug under test is in transformers")
 pytest.importorskip("compressed_tensors", reason="compressed-tensors writes the checkpoint")
