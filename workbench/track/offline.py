@@ -157,12 +157,12 @@ def _decode(path: Path) -> OfflineRun:
             kind = rec.WhichOneof("record_type")
             if kind == "history":
                 row: dict[str, Any] = {}
-                for path, value in _items(rec.history.item):
-                    _set(row, path, value)
+                for key, value in _items(rec.history.item):
+                    _set(row, key, value)
                 rows.append(_flatten(row))
             elif kind == "summary":
-                for path, value in _items(rec.summary.update):
-                    _set(summary, path, value)
+                for key, value in _items(rec.summary.update):
+                    _set(summary, key, value)
                 for it in rec.summary.remove:
                     _drop(summary, _key(it))
             elif kind == "config":
@@ -191,8 +191,8 @@ def _decode(path: Path) -> OfflineRun:
 
 
 def _apply_config(config: dict[str, Any], rec) -> None:
-    for path, value in _items(rec.update):
-        _set(config, path, value)
+    for key, value in _items(rec.update):
+        _set(config, key, value)
     for it in rec.remove:
         _drop(config, _key(it))
 
