@@ -138,3 +138,12 @@ def test_dequantize_rejects_mismatched_parts():
         dequantize_nvfp4(q.data, q.scale.float(), q.global_scale, "torchao", torch.float32)
     with pytest.raises(ValueError, match=r"scale shape \[4, 1\] does not match data shape"):
         dequantize_nvfp4(q.data, q.scale[:, :1], q.global_scale, "torchao", torch.float32)
+
+
+@pytest.mark.parametrize("profile", ALL)
+def test_to_library_global_of_a_quantized_tensor(profile):
+    x = gaussian((4, 32), seed=31, scale=2.0)
+    q = quantize(x, "nvfp4", profile)
+    assert same_bits(to_library_global(q), to_library_global(q.global_scale, profile))
+    with pytest.raises(TypeError, match="nvfp4 QuantizedTensor"):
+        to_library_global(quantize(x, "mxfp4"))

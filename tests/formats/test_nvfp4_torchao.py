@@ -95,3 +95,25 @@ def test_every_code_decodes_like_torchao():
 @given(x=special_tensors())
 def test_special_values_match_torchao(x):
     check_against_torchao(x)
+
+
+def test_single_level_scaling_is_a_unit_global():
+    # torchao without per_tensor_scale: block scales alone; the same as a global amax of 2688.
+    x = gaussian((8, 64), torch.bfloat16, seed=15, scale=20.0)
+    t = nvfp4_tensor.NVFP4Tensor.to_nvfp4(x)
+    q = quantize(x, "nvfp4", global_amax=2688.0)
+    assert q.global_scale == 1.0
+    assert torch.equal(q.data, t.qdata) and same_bits(q.scale, t.scale)
+    assert same_bits(dequantize(q, torch.bfloat16), t.dequantize(torch.bfloat16))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(a=special_tensors(max_rows=2, max_blocks=2), b=special_tensors(max_rows=2, max_blocks=2))
+def test_special_values_in_expert_stacks_match_torchao(a, b):
+    # Two experts (rows/blocks aligned by tiling) with their own amax; an all-zero expert has
+    # amax 0, for which torchao's 0/0 block scales are NaN: the profile must do the same.
+    rows, k = max(a.shape[0], b.shape[0]), max(a.shape[1], b.shape[1])
+    fit = lambda t: t.float().repeat(rows, k)[:rows, :k]
+    x = torch.stack([fit(a), fit(b)]).to(a.dtype)
+    amax_E11 = x.float().abs().amax(dim=(1, 2), keepdim=True)
+    check_against_torchao(x, global_amax=amax_E11)

@@ -65,9 +65,17 @@ def from_library_global(g: Tensor | float, profile: str) -> Tensor:
     return 1.0 / g
 
 
-def to_library_global(d: Tensor | float, profile: str) -> Tensor:
-    """Decode-direction fp32 global -> the form the profile's library stores (inverse of
-    ``from_library_global``; exact for torchao/ModelOpt, within one ulp for TE/compressed-tensors)."""
+def to_library_global(d, profile: str | None = None) -> Tensor:
+    """Decode-direction global -> the form the profile's library stores; inverse of
+    ``from_library_global`` (exact for torchao/ModelOpt, within one ulp for TE/compressed-tensors).
+
+    ``d`` is a tensor/float with ``profile`` given, or a ``QuantizedTensor`` (its own profile).
+    """
+    if profile is None:
+        if getattr(d, "fmt", None) != "nvfp4":
+            raise TypeError("to_library_global needs an nvfp4 QuantizedTensor, or a global scale "
+                            f"and a profile; got {type(d).__name__}")
+        d, profile = d.global_scale, d.profile
     form = get_profile(profile).global_form
     d = torch.as_tensor(d, dtype=torch.float32)
     if form == "decode":
@@ -122,10 +130,12 @@ def _round(v: Tensor, prof: NVFP4Profile) -> Tensor:
     if prof.zero_sign == "negative":
         codes = torch.where(v < 0, codes | E2M1_SIGN_BIT, codes & 0x7)
     nan = torch.isnan(v)
-    if prof.nan_code is not None:
-        codes = torch.where(nan, prof.nan_code(v), codes)
-    else:
-        codes = torch.where(nan, torch.signbit(v).to(torch.uint8) * E2M1_SIGN_BIT, codes)
+    if nan.any():  # rare: keep the common path free of per-element NaN work
+        v_nan = v[nan]
+        if prof.nan_code is not None:
+            codes[nan] = prof.nan_code(v_nan)
+        else:
+            codes[nan] = torch.signbit(v_nan).to(torch.uint8) * E2M1_SIGN_BIT
     return codes
 
 
