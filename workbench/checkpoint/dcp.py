@@ -80,6 +80,7 @@ class CheckpointStorageReader(StorageReader):
         self.bytes_read = 0  # packed/scale bytes this reader pulled from the shards
         self.items_read = 0
         self._stacks: dict[str, _Stack] = {}
+        self._stacks_ready = False
         self._metadata: Metadata | None = None
 
     # -- StorageReader protocol -------------------------------------------------------------
@@ -126,6 +127,25 @@ class CheckpointStorageReader(StorageReader):
         return fut
 
     # -- internals ------------------------------------------------------------------------
+    def _build_stacks(self) -> dict[str, tuple[int, int]]:
+        """Stack name -> (E, out, in) from the expert records; fills `self._stacks` once."""
+        shapes: dict[tuple[int, str], dict[int, tuple[int, ...]]] = {}
+        for r in self.ck.experts():
+            shapes.setdefault((r.layer, r.proj), {})[r.expert] = tuple(r.shape)
+        sizes = {}
+        for (layer, proj), per_expert in sorted(shapes.items()):
+            n_exp = max(per_expert) + 1
+            if sorted(per_expert) != list(range(n_exp)) or len(set(per_expert.values())) != 1:
+                raise CheckpointError(
+                    f"layer {layer} {proj}: experts {sorted(per_expert)} with shapes "
+                    f"{sorted(set(per_expert.values()))} do not form one [E, out, in] stack",
+                    path=self.ck.path)
+            name = stack_name(layer, proj)
+            self._stacks[name] = _Stack(layer, proj, n_exp)
+            sizes[name] = (n_exp, *per_expert[0])
+        self._stacks_ready = True
+        return sizes
+
     def _build_metadata(self) -> Metadata:
         md: dict[str, TensorStorageMetadata] = {}
         for name in self.ck.logical_names():
@@ -136,19 +156,7 @@ class CheckpointStorageReader(StorageReader):
                 size=size,
                 chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)],
             )
-        shapes: dict[tuple[int, str], dict[int, tuple[int, ...]]] = {}
-        for r in self.ck.experts():
-            shapes.setdefault((r.layer, r.proj), {})[r.expert] = tuple(r.shape)
-        for (layer, proj), per_expert in sorted(shapes.items()):
-            n_exp = max(per_expert) + 1
-            if sorted(per_expert) != list(range(n_exp)) or len(set(per_expert.values())) != 1:
-                raise CheckpointError(
-                    f"layer {layer} {proj}: experts {sorted(per_expert)} with shapes "
-                    f"{sorted(set(per_expert.values()))} do not form one [E, out, in] stack",
-                    path=self.ck.path)
-            out, inp = per_expert[0]
-            name = stack_name(layer, proj)
-            self._stacks[name] = _Stack(layer, proj, n_exp)
+        for name, (n_exp, out, inp) in self._build_stacks().items():
             md[name] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=torch.bfloat16),
                 size=torch.Size([n_exp, out, inp]),
@@ -161,8 +169,8 @@ class CheckpointStorageReader(StorageReader):
     def _decode(self, item: ReadItem) -> torch.Tensor:
         """Decode the window a ReadItem names: chunk offset + storage offsets, item lengths."""
         fqn = item.storage_index.fqn
-        if not self._stacks and self._metadata is not None:
-            self._build_metadata()  # set_up_storage_reader was handed someone else's Metadata
+        if not self._stacks_ready:
+            self._build_stacks()  # set_up_storage_reader was handed another reader's Metadata
         chunk = item.storage_index.offset or torch.Size([0] * len(item.lengths))
         start = [c + o for c, o in zip(chunk, item.storage_offsets)]
         window = tuple(slice(s, s + n) for s, n in zip(start, item.lengths))
