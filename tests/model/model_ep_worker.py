@@ -12,8 +12,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from workbench.model import (AllToAllDispatcher, GroupedExperts, LocalDispatcher, MoEForCausalLM,
-                             shard_experts_, sync_gradients, tiny)
+from workbench.model import (
+    AllToAllDispatcher,
+    GroupedExperts,
+    LocalDispatcher,
+    MoEForCausalLM,
+    shard_experts_,
+    sync_gradients,
+    tiny,
+)
 
 GLOBAL_BATCH, SEQ = 8, 12
 MODEL_CASES = ("random", "starved")

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import socket
 
+import model_ep_worker as W
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-import model_ep_worker as W
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

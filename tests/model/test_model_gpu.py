@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import socket
 
+import model_ep_worker as W
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-import model_ep_worker as W
 
 pytestmark = pytest.mark.gpu
 

@@ -7,8 +7,14 @@ import re
 import pytest
 import torch
 
-from workbench.model import (MoEForCausalLM, hf_to_ours, load_hf_state_dict, ours_to_hf, tiny,
-                             to_hf_state_dict)
+from workbench.model import (
+    MoEForCausalLM,
+    hf_to_ours,
+    load_hf_state_dict,
+    ours_to_hf,
+    tiny,
+    to_hf_state_dict,
+)
 from workbench.model.hf import StateDictError
 
 

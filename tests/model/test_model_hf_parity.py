@@ -7,10 +7,9 @@ import torch
 
 pytest.importorskip("transformers", reason="transformers is the oracle (pip install 'workbench[dev]')")
 
-from model_hf_oracle import random_hf_model  # noqa: E402
+from model_hf_oracle import random_hf_model
 
-from workbench.model import (MoEForCausalLM, hf_to_ours, load_hf_state_dict,  # noqa: E402
-                             tiny)
+from workbench.model import MoEForCausalLM, hf_to_ours, load_hf_state_dict, tiny
 
 CASES = {
     "tiny": tiny(),

@@ -8,7 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is the oracle")
 
-from workbench.model import MoEBlock, hf_to_ours, tiny  # noqa: E402
+from workbench.model import MoEBlock, hf_to_ours, tiny
 
 
 def _randomise_(module, seed):
@@ -59,8 +59,7 @@ def test_gated_shared_expert_matches_qwen2_moe_block():
 
 
 def test_ungated_shared_expert_is_routed_block_plus_dense_mlp():
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import (Qwen3MoeMLP,
-                                                                  Qwen3MoeSparseMoeBlock)
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP, Qwen3MoeSparseMoeBlock
 
     from workbench.model import to_hf_config
 

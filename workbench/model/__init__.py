@@ -8,14 +8,26 @@ Expert parallelism: `MoEForCausalLM(cfg, ep_group=group)` or `shard_experts_(mod
 then `sync_gradients(model, group)` after backward.
 """
 
-from workbench.model.config import (MoEConfig, from_hf_config, k3_like, preset, qwen3_30b_a3b_like,
-                                    small, tiny, to_hf_config)
+from workbench.model.config import (
+                                    MoEConfig,
+                                    from_hf_config,
+                                    k3_like,
+                                    preset,
+                                    qwen3_30b_a3b_like,
+                                    small,
+                                    tiny,
+                                    to_hf_config,
+)
 from workbench.model.dispatch import AllToAllDispatcher, LocalDispatcher
 from workbench.model.experts import GroupedExperts
-from workbench.model.hf import (hf_to_ours, load_hf_state_dict, ours_to_hf, to_hf_state_dict)
+from workbench.model.hf import hf_to_ours, load_hf_state_dict, ours_to_hf, to_hf_state_dict
 from workbench.model.moe import MoEBlock
-from workbench.model.parallel import (install_expert_parallel, is_expert_param, shard_experts_,
-                                      sync_gradients)
+from workbench.model.parallel import (
+                                    install_expert_parallel,
+                                    is_expert_param,
+                                    shard_experts_,
+                                    sync_gradients,
+)
 from workbench.model.router import TopKRouter, load_balancing_loss
 from workbench.model.transformer import IGNORE_INDEX, MoEForCausalLM, MoEOutput
 
