@@ -18,30 +18,35 @@ done
 [[ $(id -u) -eq 0 ]] || { echo "stop-local-cluster: ERROR: must run as root" >&2; exit 1; }
 
 stopped=()
-# stop PIDFILE NAME: TERM, wait (bounded), then KILL.
+# stop NAME=PIDFILE...: TERM them all at once, wait (bounded), then KILL what is left.
 stop() {
-  local pidfile=$1 name=$2 pid end
-  [[ -f $pidfile ]] || return 0
-  pid=$(cat "$pidfile" 2>/dev/null)
-  if [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null; then
-    kill -TERM "$pid" 2>/dev/null
-    end=$((SECONDS + WAIT_S))
-    while kill -0 "$pid" 2>/dev/null && ((SECONDS < end)); do sleep 0.2; done
+  local pids=() names=() item name pidfile pid end
+  for item in "$@"; do
+    name=${item%%=*}; pidfile=${item#*=}
+    [[ -f $pidfile ]] || continue
+    pid=$(cat "$pidfile" 2>/dev/null); rm -f "$pidfile"
+    if [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null; then
+      kill -TERM "$pid" 2>/dev/null && pids+=("$pid") && names+=("$name")
+    fi
+  done
+  end=$((SECONDS + WAIT_S))
+  for pid in "${pids[@]}"; do
+    while kill -0 "$pid" 2>/dev/null && ((SECONDS < end)); do sleep 0.1; done
     kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null
-    stopped+=("$name")
-  fi
-  rm -f "$pidfile"
+  done
+  stopped+=("${names[@]}")
 }
 
-# Compute nodes first (their jobs end with them), then controller, accounting, database, munge.
+# Compute nodes and controller first (their jobs end with them), then accounting, then the
+# database and munge, so slurmdbd can still flush to MariaDB while it shuts down.
+nodes=()
 for f in "$STATE"/run/slurmd-*.pid; do
   [[ -e $f ]] || continue
-  n=${f##*/slurmd-}; stop "$f" "slurmd(${n%.pid})"
+  n=${f##*/slurmd-}; nodes+=("slurmd(${n%.pid})=$f")
 done
-stop "$STATE/run/slurmctld.pid" slurmctld
-stop "$STATE/run/slurmdbd.pid" slurmdbd
-stop "$STATE/run/mariadb.pid" mariadb
-stop "$STATE/run/munged.pid" munged
+stop "${nodes[@]}" "slurmctld=$STATE/run/slurmctld.pid"
+stop "slurmdbd=$STATE/run/slurmdbd.pid"
+stop "mariadb=$STATE/run/mariadb.pid" "munged=$STATE/run/munged.pid"
 
 if ((PURGE)); then
   for f in slurm.conf slurmdbd.conf; do

@@ -35,7 +35,8 @@ def test_tasks_per_node_derived(ep, nodes, tpn):
     (dict(wandb="yes"), "wandb"),
     (dict(steps=0), "steps"),
     (dict(steps=True), "steps"),
-    (dict(recipe="mxfp4:floor", profile="rceil"), "already names a profile"),
+    (dict(recipe="bf16", profile="rceil"), "quantized recipe"),
+    (dict(export="gguf"), "export"),
     (dict(recipe="mx fp4"), "recipe"),
     (dict(target="not a path"), "target"),
     (dict(trainer_args="--resume"), "trainer_args"),
@@ -48,17 +49,32 @@ def test_bad_specs_raise_typed_errors(kwargs, words):
 
 def test_trainer_argv_parses_back_to_the_spec(tmp_path):
     s = LaunchSpec(preset="small", recipe="mxfp4+mxfp8", profile="floor", steps=7, seed=5,
-                   wandb="disabled", run_group="g1", ckpt_every=3, init="/ck", trainer_args=("--x", "1"))
+                   wandb="disabled", run_group="g1", ckpt_every=3, init="/ck", export="bf16",
+                   trainer_args=("--x", "1"))
     p = argparse.ArgumentParser()  # the trainer's documented flags, as an independent reader
-    for flag in ("--preset", "--recipe", "--out", "--wandb", "--run-group", "--init"):
+    for flag in ("--preset", "--recipe", "--out", "--wandb", "--run-group", "--init", "--profile",
+                 "--export"):
         p.add_argument(flag)
     for flag in ("--steps", "--seed", "--ckpt-every"):
         p.add_argument(flag, type=int)
     args, rest = p.parse_known_args(s.trainer_argv(tmp_path))
-    assert (args.preset, args.recipe, args.steps, args.seed) == ("small", "mxfp4+mxfp8:floor", 7, 5)
+    assert (args.preset, args.recipe, args.profile, args.steps, args.seed) == (
+        "small", "mxfp4+mxfp8", "floor", 7, 5)
+    assert args.export == "bf16"
     assert (args.out, args.wandb, args.run_group, args.init, args.ckpt_every) == (
         str(tmp_path), "disabled", "g1", "/ck", 3)
     assert rest == ["--x", "1"]
+
+
+def test_trainer_argv_is_accepted_by_the_real_trainer_parser(tmp_path):
+    from workbench.train import cli
+    s = LaunchSpec(preset="tiny", recipe="mxfp4", profile="floor", steps=3, seed=2, run_group="g",
+                   ckpt_every=2, export="compressed-tensors", wandb="disabled")
+    cfg = cli.config_from_args(s.trainer_argv(tmp_path))
+    assert (cfg.preset, cfg.recipe, cfg.profile, cfg.steps, cfg.seed, cfg.ckpt_every) == (
+        "tiny", "mxfp4", "floor", 3, 2, 2)
+    assert (cfg.out, cfg.export, cfg.wandb, cfg.run_group) == (
+        str(tmp_path), "compressed-tensors", "disabled", "g")
 
 
 def test_json_round_trip_and_immutability(tmp_path):

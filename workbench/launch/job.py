@@ -116,7 +116,7 @@ class DistributedJob(Checkpointable):
         # RANK/MASTER_ADDR (e.g. when launched from inside another distributed job).
         denv = TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         print(f"[workbench.launch] rank {denv.rank}/{denv.world_size} local_rank {denv.local_rank} "
-              f"on {socket.gethostname()} master {denv.master_addr}:{denv.master_port} "
+              f"on {os.environ.get('SLURMD_NODENAME', socket.gethostname())} master {denv.master_addr}:{denv.master_port} "
               f"resume={self.resume}", flush=True)
         own_pg = False
         if denv.world_size > 1 and not dist.is_initialized():

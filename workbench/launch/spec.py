@@ -15,12 +15,12 @@ from pathlib import Path
 from types import MappingProxyType
 
 EXECUTORS = ("local", "slurm")
+EXPORTS = ("compressed-tensors", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
 DEFAULT_TARGET = "workbench.train.cli:main"
 DEFAULT_STOP_HOOK = "workbench.train.loop:request_stop"
 _DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _NAME = re.compile(r"^[A-Za-z0-9_.+\-]+$")
-_RECIPE = re.compile(r"^[A-Za-z0-9_.+\-]+(:[A-Za-z0-9_.\-]+)?$")  # FORMAT[+ACT][:PROFILE]
 
 
 class LaunchSpecError(ValueError):
@@ -43,8 +43,8 @@ def _frozen_str_map(value: Mapping[str, object] | None, what: str) -> Mapping[st
 class LaunchSpec:
     """One trainer run to launch through submitit.
 
-    `tasks_per_node` is derived from `ep // nodes` when not given. `profile`, when set, is
-    appended to the recipe as `recipe:profile` (the workbench recipe syntax). `sbatch` holds extra
+    `tasks_per_node` is derived from `ep // nodes` when not given. `profile` is the codec profile
+    of the recipe's weight format (trainer flag `--profile`). `sbatch` holds extra
     sbatch flags (e.g. `{"qos": "high"}`), `env` extra environment variables for the job,
     `pythonpath` folders prepended to the job's PYTHONPATH. `target` is the `module:function`
     called in every rank with the trainer argv (the workbench trainer by default); `stop_hook` is
@@ -69,6 +69,7 @@ class LaunchSpec:
     wandb: str = "offline"
     run_group: str | None = None
     init: str | None = None
+    export: str | None = None
     ckpt_every: int | None = None
     trainer_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
@@ -93,15 +94,17 @@ class LaunchSpec:
             bad(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.wandb not in WANDB_MODES:
             bad(f"wandb must be one of {WANDB_MODES}, got {self.wandb!r}")
-        for name, pattern in (("preset", _NAME), ("recipe", _RECIPE)):
+        for name in ("preset", "recipe"):
             v = getattr(self, name)
-            if not isinstance(v, str) or not pattern.match(v):
+            if not isinstance(v, str) or not _NAME.match(v):
                 bad(f"{name} must be a non-empty name like 'tiny' or 'mxfp4+mxfp8', got {v!r}")
         if self.profile is not None:
             if not isinstance(self.profile, str) or not _NAME.match(self.profile):
                 bad(f"profile must be a name like 'floor', got {self.profile!r}")
-            if ":" in self.recipe:
-                bad(f"recipe {self.recipe!r} already names a profile; do not also pass profile=")
+            if self.recipe == "bf16":
+                bad("profile applies to a quantized recipe; recipe 'bf16' has none")
+        if self.export is not None and self.export not in EXPORTS:
+            bad(f"export must be one of {EXPORTS} or None, got {self.export!r}")
         if self.ckpt_every is not None and (not isinstance(self.ckpt_every, int) or self.ckpt_every < 1):
             bad(f"ckpt_every must be a positive int or None, got {self.ckpt_every!r}")
 
@@ -144,18 +147,15 @@ class LaunchSpec:
         return self.ep
 
     @property
-    def recipe_arg(self) -> str:
-        return self.recipe if self.profile is None else f"{self.recipe}:{self.profile}"
-
-    @property
     def name(self) -> str:
         """A short, filesystem-safe run name used for default folders and Slurm job names."""
-        parts = [self.preset, self.recipe_arg.replace(":", "-"), f"ep{self.ep}", f"s{self.seed}"]
+        recipe = self.recipe if self.profile is None else f"{self.recipe}-{self.profile}"
+        parts = [self.preset, recipe, f"ep{self.ep}", f"s{self.seed}"]
         return "-".join(parts)
 
     def trainer_argv(self, out_dir: str | Path) -> list[str]:
         """The workbench trainer's command line (`jobs/qat.py` flags) for this spec."""
-        argv = ["--preset", self.preset, "--recipe", self.recipe_arg, "--steps", str(self.steps),
+        argv = ["--preset", self.preset, "--recipe", self.recipe, "--steps", str(self.steps),
                 "--out", str(out_dir), "--seed", str(self.seed), "--wandb", self.wandb]
         if self.run_group:
             argv += ["--run-group", self.run_group]
@@ -163,6 +163,10 @@ class LaunchSpec:
             argv += ["--init", str(self.init)]
         if self.ckpt_every:
             argv += ["--ckpt-every", str(self.ckpt_every)]
+        if self.profile:
+            argv += ["--profile", self.profile]
+        if self.export:
+            argv += ["--export", self.export]
         return argv + list(self.trainer_args)
 
     def to_json(self) -> dict:
