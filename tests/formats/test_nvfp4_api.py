@@ -98,6 +98,8 @@ def test_unknown_profile_and_bad_shapes_are_rejected():
         quantize_nvfp4_parts(gaussian((4, 24)), "torchao")
     with pytest.raises(ValueError, match="not a multiple"):
         quantize(gaussian((4, 24)), "nvfp4")
+    with pytest.raises(TypeError, match="float64"):
+        quantize_nvfp4_parts(x.double(), "torchao")
     with pytest.raises(ValueError, match="empty tensor"):
         quantize_nvfp4_parts(torch.zeros(0, 32), "torchao")
 
@@ -118,6 +120,8 @@ def test_tiles_only_for_te_and_whole_tiles():
         quantize_nvfp4_parts(x, "torchao", tile_rows=16)
     with pytest.raises(ValueError, match="multiple of 16"):
         quantize_nvfp4_parts(gaussian((20, 32)), "te", tile_rows=16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quantize_nvfp4_parts(gaussian((32,)), "te", tile_rows=16)
     with pytest.raises(ValueError, match="tile_rows must be 1 or 16"):
         quantize_nvfp4_parts(x, "te", tile_rows=8)
     stack = gaussian((2, 32, 32), seed=28)

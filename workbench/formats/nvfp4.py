@@ -114,8 +114,8 @@ def _tile_amax(x_RBS: Tensor, amax: Callable[..., Tensor], tile_rows: int) -> Te
     """Block amax over ``tile_rows`` x 16 tiles, repeated on every row of the tile."""
     if tile_rows == 1:
         return amax(x_RBS, -1)
-    rows = x_RBS.shape[-3]
-    if x_RBS.dim() < 3 or rows % tile_rows:
+    rows = x_RBS.shape[-3] if x_RBS.dim() >= 3 else 0
+    if rows == 0 or rows % tile_rows:
         raise ValueError(
             f"{tile_rows}x16 tiles need a row dim (-2) that is a multiple of {tile_rows}, "
             f"got shape {list(x_RBS.shape[:-2]) + [x_RBS.shape[-2] * NVFP4_BLOCK]}"
@@ -159,6 +159,8 @@ def quantize_nvfp4_parts(
     if tile_rows != 1 and prof.name != "te":
         raise ValueError(f"16x16 tiles are Transformer Engine's weight layout; profile {profile!r} "
                          "has only 1x16 blocks")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"nvfp4 quantizes fp32/bf16/fp16 tensors, got {x.dtype}")
     if x.numel() == 0:
         raise ValueError(f"cannot quantize an empty tensor of shape {list(x.shape)}")
     if x.shape[-1] % NVFP4_BLOCK:

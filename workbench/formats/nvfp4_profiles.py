@@ -183,26 +183,34 @@ def _const_code(code: int) -> Callable[[Tensor], Tensor]:
 
 PROFILES: dict[str, NVFP4Profile] = {
     "torchao": NVFP4Profile(
-        "torchao", "decode", _amax_propagating, _torchao_global, _torchao_block_scale,
-        _torchao_scaled, _torchao_decode, zero_sign="signbit", nan_code=_torchao_nan_codes,
+        name="torchao", global_form="decode", amax=_amax_propagating,
+        global_from_amax=_torchao_global, block_scale=_torchao_block_scale,
+        scaled=_torchao_scaled, decode=_torchao_decode,
+        zero_sign="signbit", nan_code=_torchao_nan_codes,
     ),
     # NaN elements: PTX cvt.rn.satfinite to e2m1 (no NaN code) is assumed to give +MAX_NORM (0x7).
     # Not verifiable off sm_100 hardware; TE's CPU reference (NVFP4QuantizerRef) gives 0x0.
     "te": NVFP4Profile(
-        "te", "amax", _amax_ignoring_nan, _te_global, _te_block_scale, _te_scaled, _te_decode,
+        name="te", global_form="amax", amax=_amax_ignoring_nan,
+        global_from_amax=_te_global, block_scale=_te_block_scale,
+        scaled=_te_scaled, decode=_te_decode,
         zero_sign="signbit", nan_code=_const_code(0x7),
     ),
     # searchsorted puts NaN past every bound (code 7) and the sign comes from `x < 0` (False).
     "modelopt-export": NVFP4Profile(
-        "modelopt-export", "decode", _amax_propagating, _modelopt_global, _modelopt_block_scale,
-        _modelopt_scaled, _modelopt_decode, zero_sign="negative", nan_code=_const_code(0x7),
-        decode_neg_zero=False,
+        name="modelopt-export", global_form="decode", amax=_amax_propagating,
+        global_from_amax=_modelopt_global, block_scale=_modelopt_block_scale,
+        scaled=_modelopt_scaled, decode=_modelopt_decode,
+        zero_sign="negative", nan_code=_const_code(0x7), decode_neg_zero=False,
     ),
-    # compressed-tensors packs with `(x * 2).to(int8)`, undefined for NaN in C++: no claim made.
-    # Its cast multiplies by torch.sign(x), which is 0 for -0.0, so -0.0 loses its sign.
+    # compressed-tensors packs with `(x * 2).to(int8)`, undefined for NaN in C++: no claim made
+    # (such blocks have a NaN scale and decode to NaN anyway). Its cast multiplies by
+    # torch.sign(x), which is 0 for -0.0, so -0.0 loses its sign and tiny negatives keep it.
     "compressed-tensors": NVFP4Profile(
-        "compressed-tensors", "encode", _amax_propagating, _ct_global, _ct_block_scale,
-        _ct_scaled, _ct_decode, zero_sign="negative", nan_code=None,
+        name="compressed-tensors", global_form="encode", amax=_amax_propagating,
+        global_from_amax=_ct_global, block_scale=_ct_block_scale,
+        scaled=_ct_scaled, decode=_ct_decode,
+        zero_sign="negative", nan_code=None,
     ),
 }
 
