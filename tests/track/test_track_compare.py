@@ -107,3 +107,18 @@ def test_as_metrics_merges_rows_of_one_step():
     assert m.set_index("step").loc[3, "val_loss"] == 1.5
     with pytest.raises(KeyError, match="step"):
         as_metrics(pd.DataFrame({"loss": [1.0]}))
+
+
+def test_runs_table(metrics_dir):
+    from workbench.track import runs_table
+
+    t = runs_table(compare(metrics_dir, budgets=()).runs).set_index("run")
+    assert set(t.index) == {r["name"] for r in group_runs()}
+    assert t.loc["bf16-s0", "baseline"] and not t.loc["nvfp4-s0", "baseline"]
+    rows = {r["name"]: r for r in group_runs()}
+    last = rows["nvfp4-s0"]["rows"][-1]["metrics"]
+    assert t.loc["nvfp4-s0", "loss"] == last["loss"]
+    assert t.loc["nvfp4-s0", "val_loss"] == last["val_loss"]
+    assert t.loc["nan-s0", "last_step"] == N_STEPS - 1 and t.loc["mxfp4-s1", "seed"] == 1
+    assert math.isnan(t.loc["nan-s0", "loss"])
+    assert t.loc["nan-s0", "val_loss"] == rows["nan-s0"]["rows"][24]["metrics"]["val_loss"]

@@ -8,7 +8,7 @@ from workbench.track.budgets import (
     Budget, BudgetWatch, FakeQuantShare, LossFinite, NoDivergence, PeakMemory, StepTimeRatio,
     TokensPerSecRatio, ValLossWithin, Verdict, check, default_budgets, publish,
 )
-from workbench.track.compare import Comparison, RunData, compare, load_runs
+from workbench.track.compare import Comparison, RunData, compare, load_runs, runs_table
 from workbench.track.logger import (
     Logger, NullLogger, TrackingWarning, WandbConfig, WandbLogger, make_logger,
 )
@@ -21,5 +21,5 @@ __all__ = [
     "LossFinite", "NoDivergence", "NullLogger", "OfflineRun", "PeakMemory", "RunData",
     "StepTimeRatio", "TokensPerSecRatio", "TrackingWarning", "ValLossWithin", "Verdict",
     "WandbConfig", "WandbLogger", "as_metrics", "check", "compare", "default_budgets",
-    "find_runs", "load_runs", "make_logger", "publish", "read_metrics", "read_run",
+    "find_runs", "load_runs", "make_logger", "publish", "read_metrics", "read_run", "runs_table",
 ]

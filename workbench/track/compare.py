@@ -105,6 +105,27 @@ def pick_baseline(run: RunData, runs: Sequence[RunData]) -> RunData | None:
     return None
 
 
+def runs_table(runs: Sequence[RunData]) -> pd.DataFrame:
+    """One row per run: name, recipe, seed, baseline flag, last step, last loss (NaN if the
+    run ended in NaN), last validation loss, and where it was read from."""
+    rows = []
+    for r in runs:
+        m = r.metrics
+
+        def last(col: str, every_step: bool) -> float:
+            # loss is logged every step, so its last cell is the last value, NaN included;
+            # val_loss cells are empty between validations.
+            v = m[col] if col in m.columns else m.iloc[0:0, 0]
+            v = v if every_step else v.dropna()
+            return float(v.iloc[-1]) if len(v) else float("nan")
+
+        rows.append({"run": r.name, "recipe": r.recipe, "seed": r.seed,
+                     "baseline": r.is_baseline,
+                     "last_step": int(m["step"].max()) if len(m) else None,
+                     "loss": last("loss", True), "val_loss": last("val_loss", False), "source": r.source})
+    return pd.DataFrame(rows)
+
+
 def curves(runs: Sequence[RunData]) -> pd.DataFrame:
     parts = [r.metrics.assign(run=r.name, recipe=r.recipe) for r in runs]
     if not parts:
