@@ -176,6 +176,8 @@ class QuantScope:
                 return Decision(name, True, self._stored[name],
                                 "stored quantized (scale companion on disk)", "stored")
             return Decision(name, False, None, "stored unquantized (no scale companion on disk)")
+        if not self.rules and self.label == "dense":
+            return Decision(name, False, None, "no quantization_config: stored dense")
         if not any(r.targets for r in self.rules):
             return Decision(name, False, None, f"scope {self.label!r} has an empty include list:"
                             " it matches nothing")
@@ -192,8 +194,11 @@ class QuantScope:
             how = "class" if hit.text == cls and hit.text != module else "name"
             return Decision(name, True, rule.recipe, f"target {hit.text!r} ({how}) of "
                             f"{rule.name!r} matched {module!r}", rule.name, hit.text)
+        ign = next((p for p in self.ignore if p.matches(module, cls)), None)
         return Decision(name, False, None, f"no target matched module {module!r}"
-                        + (f" (inferred class {cls})" if cls else ""))
+                        + (f" (inferred class {cls})" if cls else "")
+                        + (f"; ignore entry {ign.text!r} matches it too" if ign else ""),
+                        ignored_by=ign.text if ign else None)
 
     def is_quantized(self, name: str) -> bool:
         return self.decide(name).quantized

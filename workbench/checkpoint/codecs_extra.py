@@ -6,8 +6,8 @@
   4i..4i+3 (little-endian bytes, low nibble first), stored with offset +8; decode
   `(code - 8).to(scale.dtype) * scale` like compressed-tensors' `_dequantize` (bf16 math when the
   scale is bf16).
-* FP8 with a per-tensor / per-channel scale (compressed-tensors `float-quantized`):
-  `fp8.to(scale.dtype) * scale`.
+* FP8 with a per-tensor / per-channel / block scale (compressed-tensors `float-quantized`):
+  `fp8.to(scale.dtype) * scale`, as its `_dequantize`.
 * compressed-tensors NVFP4: its `weight_global_scale` is stored in the *encode* direction and
   its decoder computes `code * (scale / global_scale)` in fp32; `workbench.formats` decodes with
   a decode-direction scale (`code * scale * g`), which can differ by an ulp. We take the E2M1
@@ -19,13 +19,14 @@ from __future__ import annotations
 import torch
 
 
-def decode_fp8_block(w_RC: torch.Tensor, s_rc: torch.Tensor, rows: torch.Tensor,
-                     c0: int, bc: int, br: int) -> torch.Tensor:
-    """w_RC: fp8 rows `rows` (absolute indices), columns from c0; s_rc: the scale rows
-    `rows // br` already gathered, scale columns starting at block c0 // bc."""
+def decode_fp8_block(w_RC: torch.Tensor, s_rc: torch.Tensor, c0: int, bc: int,
+                     math_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w_RC: fp8 rows, columns from c0; s_rc: the scale row of each of those rows, scale
+    columns starting at block c0 // bc. DeepSeek multiplies in fp32; compressed-tensors' FP8
+    "block" strategy in the scale's dtype (`math_dtype`)."""
     cols = torch.arange(w_RC.shape[-1]) + c0
     s = s_rc[:, (cols // bc) - (c0 // bc)]
-    return (w_RC.float() * s.float()).to(torch.bfloat16)
+    return (w_RC.to(math_dtype) * s.to(math_dtype)).to(torch.bfloat16)
 
 
 def unpack_int4(words_RW: torch.Tensor) -> torch.Tensor:

@@ -182,6 +182,11 @@ def _ct_codec(fmt: str, wa: WeightArgs | None, path: Path, group: str) -> str | 
 
 def parse_compressed_tensors(q: dict, path: Path) -> QuantConfig:
     fmt = q.get("format")
+    status = q.get("quantization_status", "compressed")
+    if status != "compressed":
+        # frozen / calibration checkpoints hold BF16 weights next to scales: not a storage format
+        raise UnknownFormatError(f"quantization_status {status!r}: only 'compressed' checkpoints "
+                                 "are read", path=path)
     groups_raw = q.get("config_groups")
     if not isinstance(groups_raw, dict) or not groups_raw:
         raise ConfigError("compressed-tensors config has no 'config_groups'", path=path)

@@ -23,6 +23,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -45,8 +46,8 @@ EP_FILE = re.compile(r"(?:^|[^a-z0-9])ep(?:_?rank)?[_-]?(\d+)")
 SINGLE_FILE = "model.safetensors"
 
 
-@dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(NamedTuple):
+    # a NamedTuple, not a dataclass: a Kimi-K3-sized index holds ~500k of these
     name: str
     file: Path
     dtype: torch.dtype

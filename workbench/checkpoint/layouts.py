@@ -286,7 +286,12 @@ def _check_shapes(index, layout, qcfg, base, g, codec, shape) -> list[Checkpoint
             mismatch("scale", s.shape, want)
     elif codec == "fp8":
         r = d.shape[0] if d.shape else 0
-        if s.shape not in ((), (1,), (r, 1), (r,)):
+        blk = _ct_block(qcfg)
+        if blk is not None and len(d.shape) == 2:
+            want = (math.ceil(d.shape[0] / blk[0]), math.ceil(d.shape[1] / blk[1]))
+            if s.shape != want:
+                mismatch("scale", s.shape, want)
+        elif s.shape not in ((), (1,), (r, 1), (r,)):
             mismatch("scale", s.shape, (r, 1))
     return bad
 
@@ -315,9 +320,21 @@ def _spec(index, layout, qcfg, base, g, codec, shape) -> LogicalSpec:
     if codec == "fp8-block":
         br, bc = qcfg.weight_block_size
         return LogicalSpec(base, codec, shape, d.dtype, parts, block=bc, row_block=br)
+    blk = _ct_block(qcfg)
+    if blk is not None:  # compressed-tensors FP8 "block" strategy: same tiles as DeepSeek
+        return LogicalSpec(base, codec, shape, d.dtype, parts, block=blk[1], row_block=blk[0],
+                           scale_kind="block")
     s = index.entry(g["scale"]).shape
     kind = "tensor" if math.prod(s) == 1 and shape[0] != 1 else "channel"
     return LogicalSpec(base, codec, shape, d.dtype, parts, scale_kind=kind)
+
+
+def _ct_block(qcfg: QuantConfig) -> tuple[int, int] | None:
+    for grp in qcfg.groups:
+        w = grp.weights
+        if grp.codec == "fp8" and w is not None and w.strategy == "block" and w.block_structure:
+            return (int(w.block_structure[0]), int(w.block_structure[1]))
+    return None
 
 
 def _dtypes(index, g) -> str:

@@ -215,14 +215,15 @@ def decode_region(index: ShardIndex, spec: LogicalSpec, lead: tuple, rows: range
         w = index.read(data, (rs, slice(g0 * G // 8, math.ceil(g1 * G / 8))))
         s = index.read(spec.part("scale"), (rs, slice(g0, g1)))
         return decode_int4(w, s, G)[..., c0 - g0 * G: c1 - g0 * G]
-    if codec == "fp8-block":
+    if codec == "fp8-block" or (codec == "fp8" and spec.scale_kind == "block"):
         br, bc = spec.row_block, spec.block
         w = index.read(data, (rs, slice(c0, c1)))
         ridx = torch.tensor(list(rows))
         sr0 = rows.start // br
         s = index.read(spec.part("scale"), (slice(sr0, rows[-1] // br + 1),
                                             slice(c0 // bc, math.ceil(c1 / bc))))
-        return decode_fp8_block(w, s[(ridx // br) - sr0], ridx, c0, bc, br)
+        math_dtype = torch.float32 if codec == "fp8-block" else s.dtype
+        return decode_fp8_block(w, s[(ridx // br) - sr0], c0, bc, math_dtype)
     if codec == "fp8":
         w = index.read(data, (rs, slice(c0, c1)))
         s = index.read(spec.part("scale"))
