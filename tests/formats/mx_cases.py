@@ -189,3 +189,86 @@ def triton_kernels_reference(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, t
     codes = ((signs >> 28) | e2m1).astype(np.uint8).reshape(x.shape)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return torch.from_numpy(packed.copy()), torch.from_numpy(scale.copy())
+
+
+def triton_kernels_decode_reference(data: torch.Tensor, scale: torch.Tensor, fmt: str,
+                                    dtype: torch.dtype) -> torch.Tensor:
+    """numpy transcription of triton_kernels ``_upcast_from_mxfp`` (non-Blackwell path).
+
+    Scale byte b -> 2^(b-127) with byte 0 as 2^-127; value * scale in the output dtype (through
+    bf16 for fp32 outputs, exact for FP4/FP8 values); clamp to the dtype's finite range;
+    byte 0xFF -> NaN.
+    """
+    import ml_dtypes
+    import numpy as np
+
+    b = scale.numpy().astype(np.int64)
+    s = np.ldexp(np.float64(1), b - 127)
+    if fmt == "mxfp4":
+        mags = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float64)
+        vals = np.concatenate([mags, -mags])
+        d = data.numpy()
+        v = np.stack([vals[d & 0xF], vals[d >> 4]], axis=-1).reshape(*d.shape[:-1], -1)
+    else:
+        dt = ml_dtypes.float8_e4m3fn if fmt == "mxfp8_e4m3" else ml_dtypes.float8_e5m2
+        v = data.view(torch.uint8).numpy().view(dt).astype(np.float64)
+    v = v.reshape(*v.shape[:-1], -1, 32)
+    with np.errstate(all="ignore"):
+        out = v * s[..., None]  # exact in float64; one rounding to the output dtype below
+        np_dt = {torch.float32: np.float32, torch.float16: np.float16,
+                 torch.bfloat16: ml_dtypes.bfloat16}[dtype]
+        fmax = float(torch.finfo(dtype).max)
+        out = out.astype(np_dt).astype(np.float64)  # overflow -> inf, then the clamp
+        out = np.where(np.isnan(out), out, np.clip(out, -fmax, fmax))
+        out = np.where((b == 255)[..., None], np.nan, out)
+    t = torch.from_numpy(out.reshape(*out.shape[:-2], -1).astype(np.float32))
+    return t.to(dtype)
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical floats (fp8 included), except that any NaN matches any NaN: NaN payloads
+    and signs are not part of any format spec and differ between casts (ml_dtypes vs torch)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    nan_a, nan_b = torch.isnan(a.float()), torch.isnan(b.float())
+    return torch.equal(nan_a, nan_b) and torch.equal(a.view(ints)[~nan_a], b.view(ints)[~nan_b])
+
+
+SPECIALS = ("nan", "inf", "-inf", "-0", "zero_block", "subnormal", "huge", "tiny")
+
+
+def special_tensor(seed: int, shape: tuple[int, ...], dtype: torch.dtype,
+                   specials: frozenset[str] | set[str]) -> torch.Tensor:
+    """Gaussian blocks with a random binade each, then the requested specials injected."""
+    g = torch.Generator().manual_seed(seed)
+    nb = shape[-1] // 32
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    logs = torch.randint(-30, 30, (*shape[:-1], nb, 1), generator=g).double()
+    x = (x.reshape(*shape[:-1], nb, 32) * torch.exp2(logs)).reshape(shape)
+    flat = x.view(-1)
+    n = flat.numel()
+
+    def spots(k: int = 2) -> torch.Tensor:
+        return torch.randint(0, n, (k,), generator=g)
+
+    if "nan" in specials:
+        flat[spots(1)] = float("nan")
+    if "inf" in specials:
+        flat[spots(1)] = float("inf")
+    if "-inf" in specials:
+        flat[spots(1)] = float("-inf")
+    if "-0" in specials:
+        flat[spots(3)] = -0.0
+    blocks = x.view(-1, 32)
+    if "zero_block" in specials:
+        blocks[torch.randint(0, blocks.shape[0], (1,), generator=g)] = 0.0
+        blocks[torch.randint(0, blocks.shape[0], (1,), generator=g)] = -0.0
+    if "subnormal" in specials:
+        row = torch.randint(0, blocks.shape[0], (1,), generator=g)
+        blocks[row] = torch.randn(32, generator=g, dtype=torch.float64) * 2.0**-133
+    if "huge" in specials:
+        flat[spots(2)] = torch.tensor([3.0e38, -1.7e38], dtype=torch.float64)
+    if "tiny" in specials:
+        flat[spots(3)] = torch.tensor([1e-30, -1e-38, 2.0**-127], dtype=torch.float64)
+    return x.to(dtype)
