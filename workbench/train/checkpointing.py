@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,8 +154,10 @@ def save(out: str | Path, model: nn.Module, opt, sched, step: int, info: DistInf
             shutil.rmtree(tmp)
         tmp.mkdir()
     barrier(info)
-    dcp.save(state_dict(model, opt, sched, step, info), checkpoint_id=str(tmp),
-             process_group=info.group, no_dist=info.group is None)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save(state_dict(model, opt, sched, step, info), checkpoint_id=str(tmp),
+                 process_group=info.group, no_dist=info.group is None)
     barrier(info)
     if info.is_main:
         marker = tmp / COMPLETE
@@ -188,8 +191,10 @@ def load(found: Found, model: nn.Module, opt, sched, info: DistInfo) -> int:
     if not same_world:  # another EP size: weights and moments reshard, RNG streams do not map
         sd = {k: v for k, v in sd.items() if not k.startswith("rng/")}
     try:
-        dcp.load(sd, checkpoint_id=str(found.path), process_group=info.group,
-                 no_dist=info.group is None)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(sd, checkpoint_id=str(found.path), process_group=info.group,
+                     no_dist=info.group is None)
     except Exception as e:
         raise CheckpointError(f"cannot load checkpoint {found.path}: {e}") from e
     lrs = [float(sd[f"optim/group{gi}/lr"]) for gi in range(len(opt.param_groups))]

@@ -9,6 +9,7 @@ parameters in place (the parameters stay the same objects).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -65,6 +66,8 @@ def load_init(path: str | Path, model: nn.Module, info: DistInfo) -> dict:
         if size != want:
             raise InitError(f"--init {path}: {name} is {size} in the checkpoint, the model needs "
                             f"{want}")
-    dcp.load(sd, storage_reader=reader, planner=LocalChunkLoadPlanner(offsets),
-             process_group=info.group, no_dist=info.group is None)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(sd, storage_reader=reader, planner=LocalChunkLoadPlanner(offsets),
+                 process_group=info.group, no_dist=info.group is None)
     return {"bytes_read": reader.bytes_read, "items_read": reader.items_read}

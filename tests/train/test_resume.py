@@ -1,0 +1,144 @@
+"""Checkpoint/resume: SIGKILL mid-run and mid-checkpoint, resume in a fresh process, bit-exact.
+
+Oracle: an uninterrupted run with the same arguments and no checkpoints at all. The resumed
+curve must equal it exactly (==, not approx) at every step, including the steps recomputed after
+the last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, TINY, command, env, metrics, run
+from workbench.train.checkpointing import list_complete
+
+STEPS = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_after(nproc: int, args: list[str], out: Path, step: int, timeout: float = 240) -> None:
+    """Start the ranks as plain processes (RANK/WORLD_SIZE/MASTER_* env, the trainer's contract)
+    and SIGKILL every one of them once `step` is logged. (Killing a torchrun agent would leave
+    its workers running: they live in their own sessions.)"""
+    port = _free_port()
+    procs: list[subprocess.Popen] = []
+    for rank in range(nproc):
+        e = env()
+        if nproc > 1:
+            e.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(command(1, args), env=e, cwd=REPO,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True))
+
+    def kill_all() -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+        for p in procs:
+            p.wait(30)
+
+    deadline = time.monotonic() + timeout
+    path = out / "metrics.jsonl"
+    try:
+        while time.monotonic() < deadline:
+            if path.is_file() and any(f'"step": {step},' in line
+                                      for line in path.read_text().splitlines()):
+                kill_all()
+                return
+            if any(p.poll() is not None for p in procs):
+                raise AssertionError(f"a rank ended before step {step}: "
+                                     + " | ".join(p.stderr.read()[-2000:] for p in procs
+                                                  if p.poll() is not None))
+            time.sleep(0.01)
+        raise AssertionError(f"step {step} not reached in {timeout} s")
+    finally:
+        kill_all()
+
+
+def _assert_same_curve(resumed: list[dict], ref: list[dict]) -> None:
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    for a, b in zip(ref, resumed):
+        assert (a["step"], a["loss"], a["grad_norm"], a["lr"], a["aux_loss"]) == \
+            (b["step"], b["loss"], b["grad_norm"], b["lr"], b["aux_loss"])
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.distributed)])
+def test_sigkill_then_resume_is_bit_exact(tmp_path, reference_runs, nproc):
+    out = tmp_path / "run"
+    args = [*TINY, "--recipe", "bf16", "--steps", str(STEPS), "--out", str(out),
+            "--ckpt-every", "4", "--val-every", "0", "--keep", "3"]
+    _kill_after(nproc, args, out, step=6)
+    assert not (out / "result.json").exists(), "the run finished before the kill"
+    last = list_complete(out)[-1].step
+    assert last in (4, 8)
+    assert metrics(out)[-1]["step"] >= 6
+    p = run(nproc, [*args, "--resume"])
+    assert f"resumed from {out / 'checkpoints' / f'step_{last:08d}'}" in p.stdout
+    _assert_same_curve(metrics(out), reference_runs(nproc, "bf16", STEPS))
+
+
+def test_sigkill_inside_checkpoint_write_leaves_no_complete_checkpoint(tmp_path, reference_runs):
+    out = tmp_path / "run"
+    args = [*TINY, "--recipe", "bf16", "--steps", str(STEPS), "--out", str(out),
+            "--ckpt-every", "4", "--val-every", "0"]
+    p = subprocess.run([sys.executable, str(Path(__file__).with_name("crash_in_save.py")), *args],
+                       env={**env(), "CRASH_STEP": "8"}, cwd=REPO, capture_output=True, text=True,
+                       timeout=240)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
+    root = out / "checkpoints"
+    tmp = root / ".tmp-step_00000008"
+    assert (tmp / ".metadata").is_file()  # DCP had finished writing ...
+    assert not (root / "step_00000008").exists()  # ... but nothing looks complete
+    assert [f.step for f in list_complete(out)] == [4]
+    r = run(1, [*args, "--resume"])
+    assert "resumed from" in r.stdout and "step_00000004" in r.stdout
+    assert not tmp.exists()  # the torn folder is cleaned up by the next save
+    _assert_same_curve(metrics(out), reference_runs(1, "bf16", STEPS))
+
+
+def test_request_stop_checkpoints_and_returns(tmp_path, reference_runs):
+    from workbench.train import distributed
+    from workbench.train.cli import config_from_args, main
+    from workbench.train.loop import clear_stop, request_stop, train
+
+    out = tmp_path / "run"
+    args = [*TINY, "--recipe", "bf16", "--steps", str(STEPS), "--out", str(out),
+            "--ckpt-every", "0", "--val-every", "0"]
+    cfg = config_from_args(args)
+    info = distributed.setup()
+    clear_stop()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the reference subprocess (OMP_NUM_THREADS=1): same reductions
+    try:
+        res = train(cfg, info, on_step=lambda rec: request_stop() if rec["step"] == 5 else None)
+        assert res["stopped"] is True and res["step"] == 5
+        assert [f.step for f in list_complete(out)] == [5]
+        assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5]
+        res = main([*args, "--resume"])  # main clears the flag; a fresh start continues at 6
+    finally:
+        torch.set_num_threads(threads)
+    assert res["stopped"] is False and res["step"] == STEPS
+    _assert_same_curve(metrics(out), reference_runs(1, "bf16", STEPS))
+
+
+def test_resume_without_checkpoint_starts_fresh_and_truncates_nothing(tmp_path):
+    out = tmp_path / "run"
+    res = run(1, [*TINY, "--steps", "2", "--out", str(out), "--resume", "--ckpt-every", "0",
+                  "--val-every", "0"])
+    assert "resumed" not in res.stdout
+    assert [r["step"] for r in metrics(out)] == [1, 2]

@@ -1,0 +1,88 @@
+"""End-to-end tiny runs: metrics.jsonl content, LR schedule, EP1 == EP2 == EP4, QAT recipes, wandb."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from conftest import TINY, metrics, run
+from workbench.train.checkpointing import list_complete
+from workbench.train.cli import main
+
+KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "aux_loss",
+        "peak_mem_gib"}
+
+
+def expected_lr(step: int, peak: float, warmup: int, steps: int, floor: float) -> float:
+    # Written from the schedule's definition (linear warmup to the peak, then half a cosine
+    # down to peak*floor at the last step), not from the trainer's code.
+    if step <= warmup:
+        return peak * step / warmup
+    t = (step - 1 - warmup) / (steps - warmup)
+    return peak * (floor + (1 - floor) * (1 + math.cos(math.pi * t)) / 2)
+
+
+def test_world1_bf16_run_writes_metrics_config_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    res = main([*TINY, "--recipe", "bf16", "--steps", "12", "--out", str(out), "--val-every", "4",
+                "--ckpt-every", "3", "--keep", "2", "--lr", "0.004"])
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    for r in rows:
+        assert KEYS <= set(r), r
+        assert ("val_loss" in r) == (r["step"] % 4 == 0)
+        assert r["tokens_per_s"] == pytest.approx(4 * 32 / r["step_time_s"])
+        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["peak_mem_gib"] > 0
+        assert r["lr"] == pytest.approx(expected_lr(r["step"], 0.004, 2, 12, 0.1), rel=1e-12)
+    # byte-level loss starts near ln(256) and falls on real text
+    assert abs(rows[0]["loss"] - math.log(256)) < 0.3
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.8
+    assert sorted(f.step for f in list_complete(out)) == [9, 12]  # keep=2
+    result = json.loads((out / "result.json").read_text())
+    assert result == {k: v for k, v in res.items()} and result["stopped"] is False
+    assert result["final_loss"] == rows[-1]["loss"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["steps"], cfg["world_size"], cfg["lr"], cfg["batch"]) == (12, 1, 0.004, 4)
+
+
+def test_world1_qat_recipes_change_the_loss_a_little(reference_runs):
+    bf16 = reference_runs(1, "bf16", 4)
+    for recipe in ("mxfp4", "nvfp4"):
+        q = reference_runs(1, recipe, 4)
+        for a, b in zip(bf16, q):
+            assert a["loss"] != b["loss"]  # the fake quantization is really on
+            assert abs(a["loss"] - b["loss"]) < 0.05
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc, recipe", [(2, "bf16"), (2, "mxfp4"),
+                                           pytest.param(4, "mxfp4+mxfp8", marks=pytest.mark.slow),
+                                           pytest.param(4, "bf16", marks=pytest.mark.slow)])
+def test_expert_parallel_matches_world1(reference_runs, nproc, recipe):
+    ref = reference_runs(1, recipe, 4)
+    ep = reference_runs(nproc, recipe, 4)
+    assert [r["step"] for r in ep] == [1, 2, 3, 4]
+    for a, b in zip(ref, ep):
+        # same global batch, experts sharded: equal up to float summation order
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["lr"] == a["lr"]
+
+
+def test_wandb_offline_history_equals_metrics(tmp_path):
+    from workbench.track.offline import find_runs
+
+    out = tmp_path / "run"
+    args = [a for a in TINY if a not in ("--wandb", "disabled")]
+    run(1, [*args, "--wandb", "offline", "--steps", "3", "--out", str(out), "--run-group", "g1",
+            "--ckpt-every", "0", "--val-every", "3"])
+    rows = metrics(out)
+    runs = find_runs(out / "wandb", group="g1")
+    assert len(runs) == 1
+    hist = runs[0].history.sort_values("_step")
+    assert list(hist["_step"]) == [1, 2, 3]
+    assert list(hist["loss"]) == [r["loss"] for r in rows]
+    assert hist["val_loss"].iloc[-1] == rows[-1]["val_loss"]
+    assert runs[0].config["recipe"] == "bf16" and runs[0].config["world_size"] == 1
