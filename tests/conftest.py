@@ -21,7 +21,7 @@ def pytest_collection_modifyitems(config, items):
     # TE needs CUDA libraries at import; probing the spec does not import it.
     has_te = has_cuda and importlib.util.find_spec("transformer_engine") is not None
     for item in items:
-        if "gpu" in item.keywords and not has_cuda:
+        if item.get_closest_marker("gpu") and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (none visible)"))
-        if "te" in item.keywords and not has_te:
+        if item.get_closest_marker("te") and not has_te:
             item.add_marker(pytest.mark.skip(reason="needs transformer-engine with CUDA"))

@@ -1,0 +1,84 @@
+"""Benchmark: one MoE expert layer forward+backward, BF16 vs fake-quantized QAT, in one run.
+
+    python jobs/bench_qat_moe.py                 # CPU-sized shapes
+    python jobs/bench_qat_moe.py --k3            # K3-like: 8 experts, hidden 3584, FFN 3072, 4096 tok/expert
+
+Prints a table: recipe, median ms per fwd+bwd, ratio to BF16, and (on GPU) TFLOP/s.
+The goal on Hopper (issue 8) is QAT within 1.15x of BF16; on CPU the numbers only show the
+reference path's overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from workbench.model.experts import GroupedExperts
+from workbench.qat import prepare
+
+
+def _time(fn, iters: int, sync) -> float:
+    fn()
+    sync()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--ffn", type=int, default=256)
+    ap.add_argument("--tokens-per-expert", type=int, default=128)
+    ap.add_argument("--k3", action="store_true", help="hidden 3584, FFN 3072, 4096 tokens/expert")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--recipes", default="bf16,mxfp4,mxfp4+mxfp8,nvfp4")
+    args = ap.parse_args(argv)
+    if args.k3:
+        args.hidden, args.ffn, args.tokens_per_expert = 3584, 3072, 4096
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    E, D, F, n = args.experts, args.hidden, args.ffn, args.tokens_per_expert
+    x = torch.randn(E * n, D, device=dev, dtype=torch.bfloat16)
+    offs = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * n
+    flops = 3 * 2 * (E * n) * D * F * 3  # 3 GEMMs fwd, x3 for fwd+bwd
+    torch_ver = torch.__version__
+    print(f"device={torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'} torch={torch_ver} "
+          f"E={E} D={D} F={F} tokens/expert={n}")
+    print(f"{'recipe':<26}{'ms fwd+bwd':>12}{'vs bf16':>10}{'GFLOP/s':>10}")
+    base = None
+    for recipe in args.recipes.split(","):
+        torch.manual_seed(0)
+        m = torch.nn.Module()
+        m.experts = GroupedExperts(E, D, F, device=dev, dtype=torch.bfloat16)
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        if recipe != "bf16":
+            prepare(m, recipe, _scope())
+        xi = x.clone().requires_grad_()
+
+        def step():
+            m.experts(xi, offs).sum().backward()
+
+        t = _time(step, args.iters, sync)
+        base = t if recipe == "bf16" else base
+        ratio = f"{t / base:.2f}x" if base else "-"
+        print(f"{recipe:<26}{t * 1e3:>12.2f}{ratio:>10}{flops / t / 1e9:>10.1f}")
+
+
+def _scope():
+    from workbench.scope import QuantScope
+
+    return QuantScope.from_patterns(["re:experts$"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""``prepare`` a model for QAT and ``convert`` its masters to packed weights.
+
+Contract (outside checks rely on it):
+- ``prepare`` runs before the optimizer is built. Masters stay the same ``nn.Parameter``
+  objects; nothing QAT adds is a Parameter, buffer or submodule, so ``state_dict()`` and
+  optimizer state are exactly those of the unprepared model.
+- It returns a report (converted, skipped with reason) and raises when it converts nothing or
+  when a scoped weight's blocked dimension is not a multiple of the block (a TP shard of 48
+  columns is never silently left unquantized).
+- ``convert`` returns ``{param_name: QuantizedTensor}``, bit-identical to
+  ``workbench.formats.quantize`` of the master with the same recipe (3-D stacks: one NVFP4
+  per-tensor scale per expert; gpt-oss ``[E, in, out]`` weights are packed transposed to the
+  checkpoint's ``[E, out, in]``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from workbench.formats import QuantizedTensor, Recipe, format_spec, quantize
+
+from .grouped import grouped_mm
+from .recipe import QATRecipe, parse_qat_recipe
+from .ste import fake_quant_ste
+from .styles import WeightSite, find_sites
+
+log = logging.getLogger(__name__)
+_STATE_ATTR = "_workbench_qat"
+
+
+@dataclass
+class PrepareReport:
+    recipe: QATRecipe
+    converted: list[WeightSite] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (name, reason)
+    notes: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"QAT prepare {self.recipe}: {len(self.converted)} weights fake-quantized, "
+                 f"{len(self.skipped)} kept in BF16"]
+        by_style: dict[str, int] = {}
+        for s in self.converted:
+            by_style[s.style] = by_style.get(s.style, 0) + 1
+        lines += [f"  {n:5d} {style}" for style, n in sorted(by_style.items())]
+        lines += [f"  note: {n}" for n in self.notes]
+        lines += [f"  kept {name}: {why}" for name, why in self.skipped[:20]]
+        if len(self.skipped) > 20:
+            lines.append(f"  ... and {len(self.skipped) - 20} more kept")
+        return "\n".join(lines)
+
+
+class GroupedSeam:
+    """Replaces ``GroupedExperts.grouped_mm``: fake-quantizes the in-scope weights (matched by
+    identity; every 3-D parameter of the module is listed, with recipe None when out of scope)
+    and the activations of every call. A weight prepare() never saw is an error: it means a
+    parameter was replaced after prepare (e.g. EP narrowing) and would silently run in BF16."""
+
+    def __init__(self, weights: list[tuple[nn.Parameter, Recipe | None]], act: Recipe | None):
+        self.weights = weights
+        self.act = act
+
+    def __call__(self, x_TD: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        for p, recipe in self.weights:
+            if p is w_EOI:
+                return grouped_mm(x_TD, w_EOI, offs, weight=recipe, act=self.act)
+        raise RuntimeError(f"grouped_mm got a weight of shape {tuple(w_EOI.shape)} that prepare()"
+                           " never saw; was a parameter replaced after prepare?")
+
+
+class ParamSwapForward:
+    """Instance-level ``forward``: runs the class forward with fake-quantized weights swapped in
+    for the masters (restored even when the forward raises), and fake-quantizes the first
+    positional input when an activation recipe is set."""
+
+    def __init__(self, module: nn.Module, weights: dict[str, tuple[Recipe, int]], act: Recipe | None):
+        self.module = module
+        self.weights = weights
+        self.act = act
+
+    def __call__(self, *args, **kwargs):
+        m = self.module
+        saved = {n: m._parameters[n] for n in self.weights}
+        try:
+            for n, (recipe, dim) in self.weights.items():
+                m._parameters[n] = fake_quant_ste(saved[n], recipe, dim=dim,
+                                                  per_leading=saved[n].dim() == 3)
+            if self.act is not None and args and isinstance(args[0], torch.Tensor):
+                args = (fake_quant_ste(args[0], self.act),) + args[1:]
+            return type(m).forward(m, *args, **kwargs)
+        finally:
+            m._parameters.update(saved)
+
+
+def _resolve_scope(scope, names):
+    from workbench.scope import QuantScope
+
+    if isinstance(scope, str):
+        return QuantScope.preset(scope, names=names)
+    if not hasattr(scope, "is_quantized"):
+        raise TypeError(f"scope must be a QuantScope or a preset name, got {type(scope).__name__}")
+    return scope
+
+
+def prepare(model: nn.Module, recipe: str | QATRecipe = "mxfp4", scope="routed-experts", *,
+            profile: str | None = None) -> PrepareReport:
+    """Fake-quantize the scoped weights (and activations) of ``model`` in place; see module doc."""
+    qr = parse_qat_recipe(recipe, profile)
+    if qr.is_bf16:
+        raise ValueError("recipe 'bf16' fake-quantizes nothing: skip prepare() for the baseline")
+    if getattr(model, _STATE_ATTR, None) is not None:
+        raise RuntimeError("model is already prepared for QAT; call unprepare() first")
+    sites, uncovered = find_sites(model)
+    params = dict(model.named_parameters())
+    sc = _resolve_scope(scope, {n: tuple(p.shape) for n, p in params.items()})
+    report = PrepareReport(qr)
+    chosen: list[WeightSite] = []
+    for s in sites:
+        if not sc.is_quantized(s.name):
+            report.skipped.append((s.name, sc.reason(s.name)))
+            continue
+        k = params[s.name].shape[s.reduction_dim]
+        block = format_spec(qr.weight.fmt).block if qr.weight else 1
+        if qr.weight is not None and k % block:
+            raise ValueError(f"{s.name}: reduction dim of size {k} is not a multiple of the "
+                             f"{qr.weight.fmt} block ({block}); refusing to leave it unquantized "
+                             "(is it a tensor-parallel shard?)")
+        chosen.append(s)
+    for name, why in uncovered.items():
+        if sc.is_quantized(name):
+            raise ValueError(f"{name} is in scope but cannot be fake-quantized: {why}")
+        report.skipped.append((name, why))
+    if not chosen:
+        raise ValueError(f"prepare({qr}) converted nothing: no supported weight is in scope "
+                         f"{getattr(sc, 'label', sc)!r}. Kept: {report.skipped[:5]}")
+    if qr.weight is None:
+        report.notes.append("activation-only recipe: weights stay BF16")
+    by_module: dict[str, list[WeightSite]] = {}
+    for s in chosen:
+        by_module.setdefault(s.module_name, []).append(s)
+    modules = dict(model.named_modules())
+    for mname, ss in by_module.items():
+        mod = modules[mname]
+        if ss[0].style == "grouped-seam":
+            scoped = {s.param for s in ss}
+            mod.grouped_mm = GroupedSeam(
+                [(p, qr.weight if n in scoped else None)
+                 for n, p in mod.named_parameters(recurse=False) if p.dim() == 3], qr.act)
+        else:
+            weights = {s.param: (qr.weight, s.reduction_dim) for s in ss if qr.weight}
+            act = qr.act if ss[0].act else None
+            if qr.act is not None and not ss[0].act:
+                report.notes.append(f"{mname}: {ss[0].style} style keeps activations in BF16 "
+                                    "(they are computed inside the module's own forward)")
+            mod.forward = ParamSwapForward(mod, weights, act)
+        report.converted.extend(ss)
+    setattr(model, _STATE_ATTR, report)
+    log.info("%s", report)
+    return report
+
+
+def unprepare(model: nn.Module) -> None:
+    """Undo ``prepare``: restore the plain grouped GEMM and class forwards."""
+    report: PrepareReport | None = getattr(model, _STATE_ATTR, None)
+    if report is None:
+        return
+    modules = dict(model.named_modules())
+    for mname in {s.module_name for s in report.converted}:
+        mod = modules[mname]
+        if isinstance(mod.__dict__.get("grouped_mm"), GroupedSeam):
+            mod.grouped_mm = grouped_mm
+        mod.__dict__.pop("forward", None)
+    delattr(model, _STATE_ATTR)
+
+
+@torch.no_grad()
+def convert(model: nn.Module) -> dict[str, QuantizedTensor]:
+    """Pack every fake-quantized master with its recipe (see the module docstring)."""
+    report: PrepareReport | None = getattr(model, _STATE_ATTR, None)
+    if report is None:
+        raise RuntimeError("convert() needs a model prepared with workbench.qat.prepare()")
+    if report.recipe.weight is None:
+        raise ValueError("recipe fake-quantizes no weights; there is nothing to pack")
+    params = dict(model.named_parameters())
+    out: dict[str, QuantizedTensor] = {}
+    for s in report.converted:
+        w = params[s.name].detach()
+        if s.reduction_dim != -1:
+            w = w.transpose(s.reduction_dim, -1).contiguous()
+        kw = {}
+        if report.recipe.weight.fmt == "nvfp4" and w.dim() == 3:
+            kw["global_amax"] = w.abs().amax(dim=(-2, -1), keepdim=True).float()
+        out[s.name] = quantize(w, report.recipe.weight, **kw)
+    return out
+
+
+def prepared_report(model: nn.Module) -> PrepareReport | None:
+    return getattr(model, _STATE_ATTR, None)

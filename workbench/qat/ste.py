@@ -1,0 +1,49 @@
+"""Fake quantization with an identity straight-through estimator (STE).
+
+Forward: ``workbench.formats.fake_quantize`` (the reference codec; a Triton kernel later takes
+its place on GPU with identical bits). Backward: the incoming gradient passes unchanged to the
+BF16 master, including for elements that were clipped at the format maximum — the common QAT
+choice (torchao's QAT, Megatron/TE fake quant), because MX/NVFP4 scales follow the block amax,
+so nothing is clipped by design except by FLOOR-style scale rules.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workbench.formats import Recipe, fake_quantize
+
+
+def _fq(x: torch.Tensor, recipe: Recipe, dim: int, per_leading: bool) -> torch.Tensor:
+    if dim not in (-1, x.dim() - 1):
+        return _fq(x.transpose(dim, -1).contiguous(), recipe, -1, per_leading).transpose(dim, -1)
+    if recipe.fmt == "nvfp4" and per_leading and x.dim() == 3:
+        # One NVFP4 per-tensor scale per expert, as each expert Linear has in a checkpoint.
+        amax = x.detach().abs().amax(dim=(-2, -1), keepdim=True).float()
+        return fake_quantize(x, recipe, global_amax=amax)
+    return fake_quantize(x, recipe)
+
+
+class _FakeQuantSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, recipe: Recipe, dim: int, per_leading: bool):
+        return _fq(x, recipe, dim, per_leading)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None
+
+
+def fake_quant_ste(x: torch.Tensor, recipe: Recipe, *, dim: int = -1,
+                   per_leading: bool = False) -> torch.Tensor:
+    """Fake-quantize ``x`` with blocks along ``dim``; gradient passes straight through.
+
+    ``per_leading``: for a 3-D expert stack, NVFP4 gets one per-tensor scale per expert.
+    """
+    return _FakeQuantSTE.apply(x, recipe, dim, per_leading)
+
+
+def fake_quant_reference(x: torch.Tensor, recipe: Recipe, *, dim: int = -1,
+                         per_leading: bool = False) -> torch.Tensor:
+    """The same numbers without autograd: what ``convert``/tests compare against."""
+    return _fq(x, recipe, dim, per_leading)
