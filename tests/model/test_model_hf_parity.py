@@ -98,3 +98,17 @@ def test_transformers_loads_our_export(tmp_path):
     assert type(hf).__name__ == "Qwen3MoeForCausalLM"
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(hf(input_ids=ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_logits_bit_identical_to_transformers_sdpa():
+    # Same op order and casts as transformers (RMSNorm cast before the weight, fp32 RoPE tables
+    # cast to the activation dtype, fp32 router softmax), so bf16 results agree bit for bit
+    # when both use SDPA attention.
+    cfg = tiny()
+    hf = random_hf_model(cfg, seed=7)
+    ours = _ours_from_hf(cfg, hf).to(torch.bfloat16)
+    hf = hf.to(torch.bfloat16)
+    hf.config._attn_implementation = "sdpa"
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, hf(input_ids=ids).logits)
