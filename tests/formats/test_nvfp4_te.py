@@ -6,10 +6,13 @@ oracle below is written from TE's CUDA source, not from our code: ``core_nvfp4.c
 compute_decoding_scaling_factor``, ``compute_scaling_coefficient<float>``), the amax reductions
 of ``quantize_transpose_nvfp4.cuh`` (``fmaxf`` from 0, which skips NaN) and
 ``dequantize_nvfp4.cuh``. Element and e4m3 casts come from ml_dtypes, a third implementation.
-Assumed, not verifiable without sm_100: ``cvt.rn.satfinite`` to e2m1 gives 0x7 for NaN.
+The element and scale casts are also checked against NVIDIA's own host conversions
+(``te_probe/``: cuda_fp4.h / cuda_fp8.h from CUDA 13.0), including NaN -> 0x7 (+MAXNORM).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +22,8 @@ from nvfp4_cases import first_difference, gaussian, same_bits, special_tensors
 
 from workbench.formats import dequantize, fake_quantize, quantize
 from workbench.formats.elements import unpack_fp4
-from workbench.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4_parts
+from workbench.formats.nvfp4 import _round, dequantize_nvfp4, quantize_nvfp4_parts
+from workbench.formats.nvfp4_profiles import PROFILES
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 F32 = np.float32
@@ -130,3 +134,30 @@ def test_special_values_match_te_transcription(x):
 @given(x=special_tensors(max_rows=1, max_blocks=2))
 def test_special_values_in_tiles_match_te_transcription(x):
     check_against_te(x.repeat(16, 1), tile_rows=16)
+
+
+def _nvidia_host_conversions():
+    path = Path(__file__).parent / "te_probe" / "cuda13_host_cvt.txt"
+    rows = [line.split() for line in path.read_text().splitlines() if line.strip()]
+    bits = np.array([int(r[0], 16) for r in rows], dtype=np.uint32).view(np.int32)
+    x = torch.from_numpy(bits.copy()).view(torch.float32)
+    fp4 = torch.tensor([int(r[1]) for r in rows], dtype=torch.uint8)
+    e4m3 = torch.tensor([int(r[2]) for r in rows], dtype=torch.uint8)
+    return x, fp4, e4m3
+
+
+def test_element_cast_matches_nvidia_cuda_fp4_conversion():
+    # Ties, neighbours of every E2M1 boundary, saturation, +-0, subnormals, NaN payloads, +-inf.
+    x, fp4, _ = _nvidia_host_conversions()
+    assert x.numel() > 700 and torch.isnan(x).sum() >= 3
+    codes = _round(x.clone(), PROFILES["te"])
+    assert torch.equal(codes, fp4), first_difference(codes, fp4)
+
+
+def test_block_scale_cast_matches_nvidia_satfinite_e4m3():
+    # The rule `_te_block_scale` applies for static_cast<fp8e4m3>: clamp to 448, then round.
+    # Block scales are >= 0 and never NaN (fminf), so only those inputs are TE-reachable.
+    x, _, e4m3 = _nvidia_host_conversions()
+    reachable = ~torch.isnan(x) & (x >= 0)
+    ours = x[reachable].clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(ours, e4m3[reachable])

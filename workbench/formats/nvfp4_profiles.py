@@ -188,8 +188,9 @@ PROFILES: dict[str, NVFP4Profile] = {
         scaled=_torchao_scaled, decode=_torchao_decode,
         zero_sign="signbit", nan_code=_torchao_nan_codes,
     ),
-    # NaN elements: PTX cvt.rn.satfinite to e2m1 (no NaN code) is assumed to give +MAX_NORM (0x7).
-    # Not verifiable off sm_100 hardware; TE's CPU reference (NVFP4QuantizerRef) gives 0x0.
+    # NaN elements: e2m1 has no NaN; NVIDIA's conversion gives +MAXNORM (0x7) for any NaN, as
+    # cuda_fp4.h documents and its host code confirms (tests/formats/te_probe). TE's CPU
+    # reference (NVFP4QuantizerRef) would give 0x0 and drop the sign of -0.0: it is not the kernel.
     "te": NVFP4Profile(
         name="te", global_form="amax", amax=_amax_ignoring_nan,
         global_from_amax=_te_global, block_scale=_te_block_scale,
