@@ -161,3 +161,21 @@ def test_block_scale_cast_matches_nvidia_satfinite_e4m3():
     reachable = ~torch.isnan(x) & (x >= 0)
     ours = x[reachable].clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
     assert torch.equal(ours, e4m3[reachable])
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(a=special_tensors(max_rows=1, max_blocks=2), b=special_tensors(max_rows=1, max_blocks=2))
+def test_expert_stacks_with_own_amax_match_te_transcription(a, b):
+    # Megatron keeps one amax per expert Linear: a [2, 16, K] stack with global_amax [2, 1, 1]
+    # must equal two TE calls, each with its own amax (an all-zero expert included).
+    k = max(a.shape[1], b.shape[1])
+    x = torch.stack([t.float().repeat(16, k)[:16, :k] for t in (a, b)])
+    amax_E11 = torch.stack([torch.tensor(_fmax_abs(e.numpy(), None)) for e in x]).reshape(2, 1, 1)
+    p = quantize_nvfp4_parts(x, "te", amax_E11, tile_rows=16)
+    for e in range(2):
+        codes, scale, decoded = te_reference(x[e].numpy(), amax_E11[e].item(), tile_rows=16)
+        assert torch.equal(unpack_fp4(p.data[e]), torch.from_numpy(codes))
+        assert torch.equal(p.scale[e].view(torch.uint8), torch.from_numpy(scale))
+        ours = dequantize_nvfp4(p.data[e], p.scale[e], p.global_scale[e], "te", torch.float32,
+                                library_global=p.library_global[e])
+        assert same_bits(ours, torch.from_numpy(decoded))

@@ -3,6 +3,18 @@
 One row of ``PROFILES`` per library (see ``nvfp4.py`` for the sources and FORMATS.md for the
 table). ``g`` is always the global in the library's own stored form. Shape legend: ``x_RBS``
 blocked input (R leading dims, B blocks, S = 16), ``bamax``/``s`` per block ``_RB``.
+
+Special values, as each library behaves (all checked against the library in tests/formats):
+
+| profile            | NaN in tensor      | amax 0        | zero block | -0.0 | tiny x<0 | NaN elem | 0x8 |
+|--------------------|--------------------|---------------|------------|------|----------|----------|-----|
+| torchao            | all scales NaN     | scales NaN    | 2^-6       | 0x8  | 0x8      | 2-4+sign*| -0  |
+| te                 | skipped by amax    | S_enc = 1     | 0          | 0x8  | 0x8      | 0x7      | -0  |
+| modelopt-export    | all scales NaN     | scales NaN    | 1.0        | 0x0  | 0x8      | 0x7      | +0  |
+| compressed-tensors | global 1, block NaN| global 1      | 0.125      | 0x0  | 0x8      | undefined| -0  |
+
+(*) by NaN payload: 0x3 for +qNaN, 0xB for the -qNaN that x86 produces for 0*inf.
+torchao itself rejects fp16 input; every profile here accepts it (the fp32 upcast is exact).
 """
 
 from __future__ import annotations
