@@ -8,10 +8,9 @@
   scale is bf16).
 * FP8 with a per-tensor / per-channel / block scale (compressed-tensors `float-quantized`):
   `fp8.to(scale.dtype) * scale`, as its `_dequantize`.
-* compressed-tensors NVFP4: its `weight_global_scale` is stored in the *encode* direction and
-  its decoder computes `code * (scale / global_scale)` in fp32; `workbench.formats` decodes with
-  a decode-direction scale (`code * scale * g`), which can differ by an ulp. We take the E2M1
-  values from `workbench.formats` (unit scales) and apply compressed-tensors' own arithmetic.
+MX and NVFP4 decode through `workbench.formats` (NVFP4 with the library's own stored global,
+`dequantize_nvfp4(..., library_global=...)`, which is what makes compressed-tensors' encode-
+direction `weight_global_scale` decode bit-exactly).
 """
 
 from __future__ import annotations
@@ -47,14 +46,3 @@ def decode_int4(words_RW: torch.Tensor, scale_RG: torch.Tensor, group: int) -> t
 def decode_fp8_scaled(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (w.to(scale.dtype) * scale).to(torch.bfloat16)
 
-
-def decode_nvfp4_ct(data: torch.Tensor, scale: torch.Tensor, global_scale_enc: torch.Tensor,
-                    shape: tuple[int, ...]) -> torch.Tensor:
-    from workbench.formats import QuantizedTensor, dequantize
-
-    ones = torch.ones_like(scale.float()).to(torch.float8_e4m3fn)
-    codes = dequantize(QuantizedTensor("nvfp4", "compressed-tensors", data, ones,
-                                       torch.tensor(1.0), shape), torch.float32)
-    t = scale.float() / global_scale_enc.float().reshape(())
-    out = codes.unflatten(-1, (-1, 16)) * t.unsqueeze(-1)
-    return out.flatten(-2).to(torch.bfloat16)

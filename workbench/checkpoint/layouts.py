@@ -39,9 +39,12 @@ SUFFIXES = {
     "fp8-block": {"_scale_inv": "scale"},
     "dense": {},
 }
-# the profile whose decoder matches each layout's reference loader (see workbench.formats)
+# the workbench.formats profile whose *decoder* matches each layout's reference loader.
+# gpt-oss: transformers decodes `_blocks/_scales` with ldexp (byte 0 -> 2^-127, 0xFF -> inf, no
+# saturation), which is compressed-tensors' MX decoder too; triton_kernels' own decoder would
+# saturate and give NaN for 0xFF.
 STORED_PROFILE = {"compressed-tensors": "compressed-tensors", "modelopt": "modelopt-export",
-                  "gpt-oss": "triton-kernels"}
+                  "gpt-oss": "compressed-tensors"}
 EXTRA_PARAMS = re.compile(r"(input|output)_(scale|global_scale|zero_point)|[kvq]_scale")
 _EP = re.compile(r"@ep\d+$")
 _E8 = (torch.uint8, torch.float8_e8m0fnu)

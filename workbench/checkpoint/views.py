@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .codecs_extra import decode_fp8_block, decode_fp8_scaled, decode_int4, decode_nvfp4_ct
+from .codecs_extra import decode_fp8_block, decode_fp8_scaled, decode_int4
 from .errors import CheckpointError
 from .index import ShardIndex
 from .layouts import FMT_OF_CODEC, LogicalSpec
@@ -67,6 +67,15 @@ class LogicalTensor:
     def __getitem__(self, key) -> torch.Tensor:
         raise NotImplementedError
 
+    def _result_shape(self, ks: list) -> tuple[int, ...]:
+        """Shape of `self[ks]` without reading anything."""
+        out = []
+        for k, n in zip(ks, self.shape):
+            r, keep = _norm(k, n, "index", True)
+            if keep:
+                out.append(len(r))
+        return tuple(out)
+
     def materialize(self) -> torch.Tensor:
         return self[(slice(None),) * self.ndim]
 
@@ -100,6 +109,11 @@ class StoredView(LogicalTensor):
         return self.spec.stored_dtype
 
     def __getitem__(self, key) -> torch.Tensor:
+        if self.ndim == 0:
+            if key not in ((), Ellipsis):
+                raise IndexError(f"{self.name!r} is a scalar: index it with [()]")
+            out = self.index.read(self.spec.part("data"))
+            return out if self.keep_dtype else out.to(torch.bfloat16)
         ks = self._keys(key)
         if self.ndim == 1:
             r, keep = _norm(ks[0], self.shape[0], "column", True)
@@ -121,7 +135,7 @@ class StoredView(LogicalTensor):
         lead_sel = ([] if self.lead is None else [slice(self.lead, self.lead + 1)]) + [
             _sl(r) for r in leads]
         if any(len(r) == 0 for r in leads) or len(srows) == 0 or len(cr) == 0:
-            out = torch.empty(*[len(r) for r in leads], len(srows), len(cr), dtype=self.dtype)
+            return torch.empty(self._result_shape(ks), dtype=self.dtype)
         else:
             out = decode_region(self.index, self.spec, tuple(lead_sel), srows, cr.start,
                                 cr.stop)
@@ -166,7 +180,8 @@ class StackView(LogicalTensor):
         ks = self._keys(key)
         r, keep = _norm(ks[0], self.shape[0], "expert", True)
         if not len(r):
-            return torch.empty(0, *self.members[0][tuple(ks[1:])].shape[0:0], dtype=self.dtype)
+            _norm(ks[-1], self.shape[-1], "column", False)  # same index checks as a read
+            return torch.empty(self._result_shape(ks), dtype=self.dtype)
         parts = [self.members[i][tuple(ks[1:])] for i in r]
         return torch.stack(parts) if keep else parts[0]
 
@@ -198,15 +213,18 @@ def decode_region(index: ShardIndex, spec: LogicalSpec, lead: tuple, rows: range
             d = index.read(data, (*lead, rs, slice(b0 * per, b1 * per)))
         s = index.read(spec.part("scale"), (*lead, rs, slice(b0, b1)))
         shape = (*d.shape[:-1], (b1 - b0) * B)
-        if codec == "nvfp4-ct":
-            out = decode_nvfp4_ct(d, s, index.read(spec.part("global_scale")), shape)
+        if codec in ("nvfp4", "nvfp4-ct"):
+            # decode from the global in the library's own stored form (compressed-tensors keeps
+            # 2688/amax, ModelOpt amax/2688): bit-exact with that library's decoder
+            from workbench.formats.nvfp4 import dequantize_nvfp4, from_library_global
+
+            lib = index.read(spec.part("global_scale")).float().reshape(())
+            out = dequantize_nvfp4(d, s, from_library_global(lib, spec.profile), spec.profile,
+                                   torch.bfloat16, library_global=lib)
         else:
-            gs = None
-            if spec.part("global_scale") is not None:
-                gs = index.read(spec.part("global_scale")).float().reshape(())
             if s.dtype == torch.float8_e8m0fnu:
                 s = s.view(torch.uint8)
-            q = QuantizedTensor(FMT_OF_CODEC[codec], spec.profile, d, s, gs, shape)
+            q = QuantizedTensor(FMT_OF_CODEC[codec], spec.profile, d, s, None, shape)
             out = dequantize(q, torch.bfloat16)
         return out[..., c0 - b0 * B: c1 - b0 * B]
     if codec == "int4":
