@@ -1,0 +1,16 @@
+"""Numbers, not pictures: per-expert quantization error tables from a checkpoint."""
+
+from .metrics import METRICS, block_scales, error_metrics, grid_mismatch, scale_exponents
+from .tables import ErrorTables, candidate_errors, reference_errors, stored_vs_recipes
+
+__all__ = [
+    "METRICS",
+    "ErrorTables",
+    "block_scales",
+    "candidate_errors",
+    "error_metrics",
+    "grid_mismatch",
+    "reference_errors",
+    "scale_exponents",
+    "stored_vs_recipes",
+]

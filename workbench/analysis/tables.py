@@ -1,0 +1,220 @@
+"""Per-expert error tables from a checkpoint: one tidy DataFrame per question.
+
+1. ``candidate_errors(ck, recipes)``: a BF16 (or any) checkpoint under candidate recipes.
+2. ``reference_errors(ck, reference)``: a packed checkpoint against a BF16 reference checkpoint.
+3. ``stored_vs_recipes(ck, recipes)``: the stored grid against re-quantizing its decoded weights.
+
+Each returns ``ErrorTables(experts, scales)``: ``experts`` has one row per layer x expert x
+projection x recipe with ``kind`` in routed/shared/dense (never mixed), ``scales`` the long
+scale-exponent histogram. Work streams one weight at a time through a small thread pool (torch
+kernels release the GIL, so I/O of the next weights overlaps the math of this one and every
+core is used); at most ``inflight`` weights are alive, which bounds memory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from workbench.formats import Recipe, dequantize, parse_recipe, quantize
+
+from .metrics import error_metrics, grid_mismatch, scale_exponents
+
+KEY_COLS = ["layer", "expert", "proj", "kind", "recipe"]
+
+
+def _pd():
+    try:
+        import pandas as pd
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError("workbench.analysis needs pandas: pip install 'workbench[analysis]'") from e
+    return pd
+
+
+@dataclass
+class ErrorTables:
+    experts: "object"  # pandas.DataFrame
+    scales: "object"  # pandas.DataFrame: layer, expert, proj, kind, recipe, exponent, count
+
+    def save(self, folder: str | os.PathLike) -> Path:
+        """Write ``experts.csv`` and ``scales.csv`` (and parquet copies when pyarrow is present)."""
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, df in (("experts", self.experts), ("scales", self.scales)):
+            tmp = out / f".{name}.csv.tmp"
+            df.to_csv(tmp, index=False)
+            os.replace(tmp, out / f"{name}.csv")
+        return out
+
+    @classmethod
+    def load(cls, folder: str | os.PathLike) -> "ErrorTables":
+        pd = _pd()
+        folder = Path(folder)
+        return cls(pd.read_csv(folder / "experts.csv"), pd.read_csv(folder / "scales.csv"))
+
+
+def _device(device: str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _quantize_2d(w: torch.Tensor, recipe: Recipe):
+    # one expert projection is one tensor: NVFP4's per-tensor scale is per expert
+    return quantize(w, recipe, pad=True)
+
+
+def _stream(items: list, work: Callable, desc: str, workers: int | None, inflight: int,
+            progress: bool) -> Iterable:
+    from tqdm.auto import tqdm
+
+    workers = workers or max(1, min(4, os.cpu_count() or 1))
+    bar = tqdm(total=len(items), desc=desc, unit="weight", disable=not progress)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        pending = []
+        it = iter(items)
+        for item in it:
+            pending.append(pool.submit(work, item))
+            if len(pending) >= inflight:
+                yield pending.pop(0).result()
+                bar.update()
+        for f in pending:
+            yield f.result()
+            bar.update()
+    bar.close()
+
+
+def _records(ck, kinds):
+    return [r for r in ck.expert_records() if r.kind in kinds]
+
+
+def _rows(rec, recipe: str, metrics: dict, q) -> tuple[dict, list[dict]]:
+    base = {"layer": rec.layer, "expert": rec.expert, "proj": rec.proj, "kind": rec.kind,
+            "recipe": recipe}
+    row = {**base, **metrics, "numel": rec.shape[0] * rec.shape[1]}
+    hist = []
+    if q is not None:
+        exps, counts = torch.unique(scale_exponents(q).flatten(), return_counts=True)
+        hist = [{**base, "exponent": int(e), "count": int(c)} for e, c in zip(exps, counts)]
+    return row, hist
+
+
+def _collect(results, pd) -> ErrorTables:
+    rows, hist = [], []
+    for r, h in results:
+        rows.extend(r)
+        hist.extend(h)
+    experts = pd.DataFrame(rows)
+    if not experts.empty:
+        experts = experts.sort_values(KEY_COLS, kind="stable").reset_index(drop=True)
+    scales = pd.DataFrame(hist, columns=[*KEY_COLS, "exponent", "count"])
+    return ErrorTables(experts, scales)
+
+
+def candidate_errors(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "shared", "dense"),
+                     device: str | None = None, workers: int | None = None, inflight: int = 4,
+                     progress: bool = True) -> ErrorTables:
+    """Question 1: each weight (decoded to BF16 if stored packed) under each candidate recipe."""
+    pd = _pd()
+    recs = [parse_recipe(r) for r in recipes]
+    dev = _device(device)
+
+    def work(rec):
+        w = ck.view_of(rec).materialize().to(dev)
+        rows, hist = [], []
+        for r in recs:
+            q = _quantize_2d(w, r)
+            row, h = _rows(rec, str(r), error_metrics(w, dequantize(q, torch.float32), q), q)
+            rows.append(row)
+            hist.extend(h)
+        return rows, hist
+
+    return _collect(_stream(_records(ck, kinds), work, "candidate recipes", workers, inflight,
+                            progress), pd)
+
+
+def _stored_label(ck, rec) -> str:
+    r = ck.recipe_of(rec.name)
+    return f"stored:{r}" if r is not None else "stored:bf16"
+
+
+def reference_errors(ck, reference, *, kinds=("routed", "shared", "dense"),
+                     device: str | None = None, workers: int | None = None, inflight: int = 4,
+                     progress: bool = True) -> ErrorTables:
+    """Question 2: the checkpoint's stored weights against the same weights in ``reference``.
+
+    Records are matched by (kind, layer, expert, proj), so the two may use different layouts.
+    """
+    from workbench.checkpoint.grid import stored_grid
+
+    pd = _pd()
+    dev = _device(device)
+    missing = [r.key for r in _records(ck, kinds)
+               if (r.kind, r.layer, r.expert, r.proj) not in
+               {(x.kind, x.layer, x.expert, x.proj) for x in reference.expert_records()}]
+    if missing:
+        raise ValueError(f"reference checkpoint {reference.path} lacks {len(missing)} weights of "
+                         f"{ck.path}, e.g. {missing[:3]}")
+
+    def work(rec):
+        ref = reference.view_of(reference.record(rec.layer, rec.expert, rec.proj, rec.kind))
+        w = ref.materialize().to(dev)
+        deq = ck.view_of(rec).materialize().to(dev)
+        if w.shape != deq.shape:
+            raise ValueError(f"{rec.key}: shape {tuple(deq.shape)} in {ck.path} but "
+                             f"{tuple(w.shape)} in the reference")
+        q = stored_grid(ck, rec)
+        q = None if q is None else _to(q, dev)
+        row, h = _rows(rec, _stored_label(ck, rec), error_metrics(w, deq, q), q)
+        return [row], h
+
+    return _collect(_stream(_records(ck, kinds), work, "stored vs reference", workers, inflight,
+                            progress), pd)
+
+
+def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "shared", "dense"),
+                      device: str | None = None, workers: int | None = None, inflight: int = 4,
+                      progress: bool = True) -> ErrorTables:
+    """Question 3: re-quantize each stored packed weight's decoded values with each recipe.
+
+    Rows carry the error of the re-quantized weights against the decoded stored weights (zero
+    when the recipe reproduces the stored grid) plus ``scale_mismatch_frac`` and
+    ``code_mismatch_frac`` against the stored grid. Dense-stored weights are skipped.
+    """
+    from workbench.checkpoint.grid import stored_grid
+
+    pd = _pd()
+    recs = [parse_recipe(r) for r in recipes]
+    dev = _device(device)
+
+    def work(rec):
+        stored = stored_grid(ck, rec)
+        if stored is None:
+            return [], []
+        stored = _to(stored, dev)
+        w = ck.view_of(rec).materialize().to(dev)
+        rows, hist = [], []
+        for r in recs:
+            q = _quantize_2d(w, r)
+            m = error_metrics(w, dequantize(q, torch.float32), q)
+            if r.fmt == stored.fmt and q.scale.shape == stored.scale.shape:
+                m.update(grid_mismatch(stored, q))
+            row, h = _rows(rec, str(r), m, q)
+            rows.append(row)
+            hist.extend(h)
+        return rows, hist
+
+    return _collect(_stream(_records(ck, kinds), work, "stored grid vs recipes", workers,
+                            inflight, progress), pd)
+
+
+def _to(q, dev):
+    from dataclasses import replace
+
+    gs = None if q.global_scale is None else q.global_scale.to(dev)
+    return replace(q, data=q.data.to(dev), scale=q.scale.to(dev), global_scale=gs)
