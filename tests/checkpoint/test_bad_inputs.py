@@ -324,3 +324,16 @@ def test_fuzzed_headers_only_raise_checkpoint_errors(pristine, tmp_path):
     bad = [o for o in outcomes if o.startswith("UNEXPECTED")]
     assert not bad, bad[0]
     assert len(outcomes) == 40 and sum(o != "ok" for o in outcomes) >= 30
+
+
+def test_integer_buffers_are_not_mistaken_for_packed_weights(tmp_path):
+    from writers import gen, save_sharded
+
+    save_sharded(tmp_path, {"model.layers.0.mlp.down_proj.weight": gen((8, 4)),
+                            "model.position_ids": torch.arange(8, dtype=torch.int32),
+                            "model.layers.0.attn.mask": torch.zeros(4, 4, dtype=torch.uint8)})
+    ck = open_checkpoint(tmp_path)
+    assert not ck.scope.is_quantized("model.position_ids")
+    save_sharded(tmp_path, {"model.layers.0.mlp.down_proj.weight":
+                            torch.zeros(8, 2, dtype=torch.uint8)})
+    expect(UncoveredTensorError, tmp_path, tensor="model.layers.0.mlp.down_proj.weight")

@@ -193,7 +193,11 @@ def _stored_codec(index: ShardIndex, g: dict[str, str]) -> str | None:
     d = index.entry(g["data"]).dtype
     sc = index.entry(g["scale"]).dtype if "scale" in g else None
     if sc is None:
-        return None if d not in (torch.uint8, torch.int32, torch.float8_e4m3fn) else "packed?"
+        # a uint8 / int32 / fp8 *weight* without scales can only be packed data; buffers
+        # (position ids, masks, counters) are never weights
+        weight = is_weight_param(split_name(_EP.sub("", g["data"]))[1]) or len(g) > 1
+        packed = d in (torch.uint8, torch.int32, torch.float8_e4m3fn)
+        return "packed?" if weight and packed else None
     if d == torch.uint8:
         return "nvfp4" if sc == torch.float8_e4m3fn else "mxfp4" if sc in _E8 else "?"
     if d == torch.float8_e4m3fn:
@@ -211,17 +215,15 @@ def _check(index, layout, qcfg, base, g, codec, shape) -> list[CheckpointError]:
     path = index.entry(g["data"]).file
     carried = _stored_codec(index, g)
     if codec is None:
-        if carried is not None or len(g) > 1:
+        foreign = _foreign(g["data"], layout)
+        if carried is not None or len(g) > 1 or foreign is not None:
             comp = next((n for r, n in g.items() if r != "data"), g["data"])
             why = ("config.json has no quantization_config" if qcfg.method == "dense"
                    else "no config target covers it (or an ignore entry excludes it)")
-            return [UncoveredTensorError(f"stored quantized ({carried or 'packed'}) but {why}",
+            what = f"named like a {foreign} packed companion" if foreign else \
+                f"stored quantized ({carried or 'packed'})"
+            return [UncoveredTensorError(f"{what}, but {why} (layout {layout})",
                                          path=index.entry(comp).file, tensor=comp)]
-        foreign = _foreign(g["data"], layout)
-        if foreign is not None:
-            return [UncoveredTensorError(f"named like a {foreign} packed companion, but the "
-                                         f"checkpoint's layout is {layout}", path=path,
-                                         tensor=g["data"])]
         return []
     if carried in ROLE_DTYPES and _family(carried) != _family(codec):
         return [FormatMismatchError(f"config says {codec} but the stored tensors carry "
