@@ -46,9 +46,31 @@ def starve_router_(model: MoEForCausalLM) -> None:
             w_ED[0], w_ED[1], w_ED[2], w_ED[3] = v, -v, u, -u
 
 
-def model_inputs():
-    gen = torch.Generator().manual_seed(1234)
+def model_inputs(step: int = 0):
+    gen = torch.Generator().manual_seed(1234 + step)
     return torch.randint(0, 256, (GLOBAL_BATCH, SEQ), generator=gen)
+
+
+TRAIN_STEPS = 4
+
+
+def make_optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+
+
+def reference_losses(case: str) -> torch.Tensor:
+    """EP1 per-step losses of the same short training run (first step's backward included)."""
+    model = build_model(case)
+    opt = make_optimizer(model)
+    losses = []
+    for step in range(TRAIN_STEPS):
+        ids = model_inputs(step)
+        loss = model(ids, ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return torch.stack(losses)
 
 
 def build_model(case: str, ep_group=None, device: str | torch.device = "cpu") -> MoEForCausalLM:
@@ -144,6 +166,21 @@ def worker(rank: int, world: int, port: int, out_dir: str, backend: str = "gloo"
             dist.all_reduce(loss)
             tensors = {"mean_loss": loss / world, "aux_loss": result.aux_loss.detach()}
             tensors.update({f"grad/{n}": p.grad for n, p in model.named_parameters()})
+            # A few optimizer steps: sharded experts and replicated dense weights must keep
+            # following the EP1 trajectory (AdamW is elementwise, so sharding cannot change it).
+            losses = [loss / world]
+            opt = make_optimizer(model)
+            for step in range(1, TRAIN_STEPS):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                ids = model_inputs(step)[rank * per:(rank + 1) * per].to(device)
+                step_loss = model(ids, ids).loss
+                step_loss.backward()
+                sync_gradients(model)
+                step_loss = step_loss.detach().clone()
+                dist.all_reduce(step_loss)
+                losses.append(step_loss / world)
+            tensors["step_losses"] = torch.stack(losses)
             save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
                       out / f"{case}.rank{rank}.safetensors")
         for case in ("sparse", "all_to_expert_0_1"):

@@ -68,6 +68,8 @@ def test_nccl_expert_parallel_matches_cpu_reference(tmp_path):
         out.loss.backward()
         got = [load_file(tmp_path / f"{case}.rank{r}.safetensors") for r in range(world)]
         torch.testing.assert_close(got[0]["mean_loss"], out.loss.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[0]["step_losses"], W.reference_losses(case), rtol=1e-4,
+                                   atol=1e-4)
         for name, p in model.named_parameters():
             if name.rsplit(".", 1)[-1] in ("w1", "w2", "w3"):
                 mine = torch.cat([g[f"grad/{name}"] for g in got])
