@@ -248,16 +248,23 @@ def _status() -> dict[str, int]:
     return out
 
 
+PASSES = (("raw", "cold"), ("raw", "warm"), ("decode", "cold"), ("decode", "warm"))
+
+
 def _decode_child(path: str, files: list[str], conn) -> None:
-    """Runs in a fresh process so its memory numbers are about decoding only."""
+    """Runs in a fresh process so its memory numbers are about reading/decoding only.
+
+    "raw" passes read every expert's packed bytes and scales through the workbench index
+    (`view.raw()`, no decode); "decode" passes materialize BF16. The difference is the codec.
+    """
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
     from workbench.checkpoint import open_checkpoint
 
     result = {}
-    for phase in ("cold", "warm"):
-        if phase == "cold":
-            result["evict"] = evict([Path(f) for f in files])
-            result["resident_before_cold"] = resident_fraction([Path(f) for f in files])
+    for kind, cache in PASSES:
+        if cache == "cold":
+            result[f"evict-{kind}"] = evict([Path(f) for f in files])
+            result[f"resident-{kind}"] = resident_fraction([Path(f) for f in files])
         t0 = time.perf_counter()
         ck = open_checkpoint(path)
         t_open = time.perf_counter() - t0
@@ -265,18 +272,25 @@ def _decode_child(path: str, files: list[str], conn) -> None:
         base = _status()
         peak = dict(base)
         out_bytes = 0
-        t0 = time.perf_counter()
-        for r in tqdm(records, desc=f"decode {phase}", unit="proj"):
-            w = ck.expert_weight(r.layer, r.expert, r.proj).materialize()
-            out_bytes += w.numel() * w.element_size()
-            del w
+        t0, c0 = time.perf_counter(), time.process_time()
+        for r in tqdm(records, desc=f"{kind} {cache}", unit="proj"):
+            view = ck.expert_weight(r.layer, r.expert, r.proj)
+            if kind == "raw":
+                parts = view.raw()
+                out_bytes += sum(t.numel() * t.element_size() for t in parts.values())
+                del parts
+            else:
+                w = view.materialize()
+                out_bytes += w.numel() * w.element_size()
+                del w
             now = _status()
             for k in ("VmRSS", "RssAnon", "RssFile"):
                 peak[k] = max(peak[k], now[k])
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         stats = getattr(getattr(ck, "index", None), "stats", None)
-        result[phase] = {
-            "open_s": t_open, "seconds": dt, "records": len(records), "out_bytes": out_bytes,
+        result[f"{kind}-{cache}"] = {
+            "open_s": t_open, "seconds": dt, "cpu_s": cpu, "records": len(records),
+            "out_bytes": out_bytes,
             "in_bytes": stats.bytes_read if stats is not None else float("nan"),
             "base": base, "peak": peak,
             "max_proj_bf16": max(2 * r.shape[0] * r.shape[1] for r in records),
@@ -295,9 +309,12 @@ def run(cfg: BenchConfig) -> str:
 
     method = evict(files)
     cold_res = resident_fraction(files)
+    c0 = time.process_time()
     cold_b, cold_s = sequential_read(files, "read cold")
+    c1 = time.process_time()
     warm_res = resident_fraction(files)
     warm_b, warm_s = sequential_read(files, "read warm")
+    cold_cpu, warm_cpu = c1 - c0, time.process_time() - c1
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
@@ -316,34 +333,38 @@ def run(cfg: BenchConfig) -> str:
                f"{os.getloadavg()[0]:.1f}, torch {torch.__version__} "
                f"({torch.get_num_threads()} threads), python {platform.python_version()}; "
                f"eviction: {method}")
+    seq_cpu = {"cold": cold_cpu, "warm": warm_cpu}
     rows = [("sequential read (16 MiB readinto)", "cold", f"{cold_res:.0%}", cold_s,
-             cold_b / cold_s, None),
+             seq_cpu["cold"], cold_b, None),
             ("sequential read (16 MiB readinto)", "warm", f"{warm_res:.0%}", warm_s,
-             warm_b / warm_s, None)]
-    for phase in ("cold", "warm"):
-        d = dec[phase]
-        res = f"{dec['resident_before_cold']:.0%}" if phase == "cold" else "-"
-        rows.append(("decode all experts -> BF16", phase, res, d["seconds"],
-                     d["in_bytes"] / d["seconds"], d["out_bytes"] / d["seconds"]))
+             seq_cpu["warm"], warm_b, None)]
+    labels = {"raw": "workbench raw() packed+scales", "decode": "workbench decode -> BF16"}
+    for kind, cache in PASSES:
+        d = dec[f"{kind}-{cache}"]
+        res = f"{dec[f'resident-{kind}']:.0%}" if cache == "cold" else "-"
+        rows.append((labels[kind], cache, res, d["seconds"], d["cpu_s"], d["in_bytes"],
+                     d["out_bytes"] if kind == "decode" else None))
     lines = [head, machine, "",
-             f"{'what':<34}{'cache':>6}{'resident':>10}{'seconds':>9}{'in MB/s':>9}{'out MB/s':>10}"]
-    for what, cache, res, sec, rate_in, rate_out in rows:
-        out = "" if rate_out is None else f"{rate_out / 1e6:.1f}"
-        lines.append(f"{what:<34}{cache:>6}{res:>10}{sec:>9.2f}{rate_in / 1e6:>9.1f}{out:>10}")
-    unit = dec["warm"]["max_proj_bf16"]
-    lines += ["", (f"memory while iterating {dec['warm']['records']} expert projections (one "
+             (f"{'what':<34}{'cache':>6}{'resident':>9}{'wall s':>8}{'cpu s':>7}"
+             f"{'in MB/s':>9}{'out MB/s':>9}{'in MB/cpu-s':>12}")]
+    for what, cache, res, sec, cpu, nin, nout in rows:
+        out = "" if nout is None else f"{nout / sec / 1e6:.1f}"
+        lines.append(f"{what:<34}{cache:>6}{res:>9}{sec:>8.2f}{cpu:>7.2f}"
+                     f"{nin / sec / 1e6:>9.1f}{out:>9}{nin / max(cpu, 1e-9) / 1e6:>12.1f}")
+    unit = dec["decode-warm"]["max_proj_bf16"]
+    lines += ["", (f"memory while iterating {dec['decode-warm']['records']} expert projections (one "
               f"projection BF16 = {unit / 1e6:.1f} MB, one shard = {shard / 1e6:.0f} MB):"),
-              (f"{'pass':<6}{'':<9}{'after open MB':>14}{'peak MB':>9}{'growth MB':>11}"
+              (f"{'pass':<13}{'':<9}{'after open MB':>14}{'peak MB':>9}{'growth MB':>11}"
               f"{'x proj':>8}{'x shard':>9}")]
-    for phase in ("cold", "warm"):
-        d = dec[phase]
+    for kind, cache in PASSES:
+        d, phase = dec[f"{kind}-{cache}"], f"{kind} {cache}"
         for key in ("RssAnon", "RssFile", "VmRSS"):
             grow = d["peak"][key] - d["base"][key]
-            lines.append(f"{phase:<6}{key:<9}{d['base'][key] / 1e6:>14.0f}"
+            lines.append(f"{phase:<13}{key:<9}{d['base'][key] / 1e6:>14.0f}"
                          f"{d['peak'][key] / 1e6:>9.0f}{grow / 1e6:>11.1f}"
                          f"{grow / unit:>8.2f}{grow / shard:>9.3f}")
-    lines.append(f"open (headers + validation): cold {dec['cold']['open_s']:.2f} s, "
-                 f"warm {dec['warm']['open_s']:.2f} s")
+    lines.append(f"open (headers + validation): cold {dec['raw-cold']['open_s']:.2f} s, "
+                 f"warm {dec['decode-warm']['open_s']:.2f} s")
     return "\n".join(lines)
 
 
