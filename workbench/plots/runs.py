@@ -72,7 +72,8 @@ def plot_budgets(table: pd.DataFrame, *, title: str = "Budget verdicts") -> Figu
         if col not in table.columns:
             raise KeyError(f"plot_budgets: column {col!r} missing "
                            f"(columns: {list(table.columns)})")
-    cols = [c for c in ("run", "budget", "measured", "limit", "passed") if c in table.columns]
+    cols = [c for c in ("run", "budget", "measured", "limit", "passed", "detail")
+            if c in table.columns]
     cells, colours = [], []
     for _, row in table.iterrows():
         p = row["passed"]
@@ -86,16 +87,17 @@ def plot_budgets(table: pd.DataFrame, *, title: str = "Budget verdicts") -> Figu
             elif isinstance(v, float):
                 line.append("-" if math.isnan(v) else f"{v:.4g}")
             else:
-                line.append(str(v))
+                text = str(v)
+                line.append(text if len(text) <= 60 else text[:57] + "...")
         cells.append(line)
         colours.append([colour] * len(cols))
-    height = 0.9 + 0.32 * max(len(cells), 1)
-    fig = Figure(figsize=(10.0, height), layout="constrained")
+    height = 0.7 + 0.3 * (max(len(cells), 1) + 1)
+    fig = Figure(figsize=(13.0, height), layout="constrained")
     ax = fig.add_subplot()
     ax.axis("off")
     ax.set_title(title)
     if cells:
-        t = ax.table(cellText=cells, cellColours=colours, colLabels=cols, loc="upper center",
+        t = ax.table(cellText=cells, cellColours=colours, colLabels=cols, bbox=(0, 0, 1, 1),
                      cellLoc="left")
         t.auto_set_font_size(False)
         t.set_fontsize(9)

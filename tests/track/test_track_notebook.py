@@ -1,0 +1,77 @@
+"""The real trainer's wandb offline runs read back equal to its metrics.jsonl, and
+notebooks/03_budgets.ipynb runs headless on them (papermill)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from html import escape as html_escape
+
+import pandas as pd
+import pytest
+from conftest import REPO, wandb_env
+
+from workbench.track import (
+    FakeQuantShare, LossFinite, NoDivergence, StepTimeRatio, ValLossWithin, as_metrics, compare,
+    find_runs, read_metrics,
+)
+
+pytestmark = pytest.mark.slow
+RUNS = ("bf16", "mxfp4")
+
+
+@pytest.fixture(scope="module")
+def group_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trained")
+    # One process trains both runs (the tiny preset, 6 steps): wandb state stays out of pytest.
+    code = textwrap.dedent(f"""
+        from workbench.train.cli import main
+        for recipe in {RUNS!r}:
+            main(["--preset", "tiny", "--recipe", recipe, "--steps", "6", "--val-every", "3",
+                  "--out", {str(root)!r} + "/" + recipe, "--wandb", "offline",
+                  "--run-group", "nb"])
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], env=wandb_env(root), cwd=REPO,
+                          capture_output=True, text=True, timeout=560)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return root
+
+
+def test_trainer_wandb_history_equals_metrics_jsonl(group_dir):
+    for name in RUNS:
+        (run,) = find_runs(group_dir / name)
+        assert run.group == "nb" and run.config["recipe"] == name and run.finished
+        from_wandb, from_jsonl = as_metrics(run), read_metrics(group_dir / name)
+        assert len(from_jsonl) == 6
+        cols = [c for c in from_jsonl.columns]
+        assert set(cols) <= set(from_wandb.columns)
+        pd.testing.assert_frame_equal(from_wandb[cols], from_jsonl[cols], check_dtype=False)
+
+
+def test_budgets_notebook_headless(group_dir, tmp_path):
+    papermill = pytest.importorskip("papermill", reason="needs the 'notebooks' extra")
+    out = tmp_path / "03_budgets.out.ipynb"
+    papermill.execute_notebook(
+        str(REPO / "notebooks" / "03_budgets.ipynb"), str(out), cwd=str(REPO),
+        parameters={"group_dir": str(group_dir), "group": "nb", "divergence_window": 3},
+        kernel_name="python3", progress_bar=False)
+    import nbformat
+
+    nb = nbformat.read(out, as_version=4)
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.output_type == "error"]
+    html = "\n".join(o["data"].get("text/html", "") for o in outputs if "data" in o)
+    pngs = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(pngs) == 3  # loss curves, step time curves, budget table
+    # the notebook shows the same verdicts as the library computes here
+    budgets = (ValLossWithin(2.0), LossFinite(), NoDivergence(3, 1.5), StepTimeRatio(2.0),
+               FakeQuantShare(0.5))
+    expected = compare(group_dir, budgets=budgets, group="nb").budgets
+    assert list(expected["run"].unique()) == ["mxfp4"]
+    for row in expected.itertuples():
+        shown = "&lt;NA&gt;" if pd.isna(row.passed) else str(bool(row.passed))
+        cell = html_escape(row.budget)
+        assert re.search(rf"<td>{re.escape(cell)}</td>(?:(?!</tr>).)*<td>{shown}</td>", html,
+                         re.S), (row.budget, shown)
