@@ -9,32 +9,38 @@ then `sync_gradients(model, group)` after backward.
 """
 
 from workbench.model.config import (
-                                    MoEConfig,
-                                    from_hf_config,
-                                    k3_like,
-                                    preset,
-                                    qwen3_30b_a3b_like,
-                                    small,
-                                    tiny,
-                                    to_hf_config,
+    MoEConfig,
+    from_hf_config,
+    k3_like,
+    preset,
+    qwen3_30b_a3b_like,
+    small,
+    tiny,
+    to_hf_config,
 )
 from workbench.model.dispatch import AllToAllDispatcher, LocalDispatcher
 from workbench.model.experts import GroupedExperts
-from workbench.model.hf import hf_to_ours, load_hf_state_dict, ours_to_hf, to_hf_state_dict
+from workbench.model.hf import (
+    StateDictError,
+    hf_to_ours,
+    load_hf_state_dict,
+    ours_to_hf,
+    to_hf_state_dict,
+)
 from workbench.model.moe import MoEBlock
 from workbench.model.parallel import (
-                                    install_expert_parallel,
-                                    is_expert_param,
-                                    shard_experts_,
-                                    sync_gradients,
+    install_expert_parallel,
+    is_expert_param,
+    shard_experts_,
+    sync_gradients,
 )
 from workbench.model.router import TopKRouter, load_balancing_loss
 from workbench.model.transformer import IGNORE_INDEX, MoEForCausalLM, MoEOutput
 
 __all__ = [
     "IGNORE_INDEX", "AllToAllDispatcher", "GroupedExperts", "LocalDispatcher", "MoEBlock",
-    "MoEConfig", "MoEForCausalLM", "MoEOutput", "TopKRouter", "from_hf_config", "hf_to_ours",
-    "install_expert_parallel", "is_expert_param", "k3_like", "load_balancing_loss",
-    "load_hf_state_dict", "ours_to_hf", "preset", "qwen3_30b_a3b_like", "shard_experts_", "small",
-    "sync_gradients", "tiny", "to_hf_config", "to_hf_state_dict",
+    "MoEConfig", "MoEForCausalLM", "MoEOutput", "StateDictError", "TopKRouter",
+    "from_hf_config", "hf_to_ours", "install_expert_parallel", "is_expert_param", "k3_like",
+    "load_balancing_loss", "load_hf_state_dict", "ours_to_hf", "preset", "qwen3_30b_a3b_like",
+    "shard_experts_", "small", "sync_gradients", "tiny", "to_hf_config", "to_hf_state_dict",
 ]

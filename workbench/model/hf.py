@@ -32,8 +32,11 @@ _FUSED_RE = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|do
 _OURS_RE = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<w>w1|w2|w3)$")
 
 
-class StateDictError(KeyError):
-    """A checkpoint tensor is missing, unexpected or of the wrong shape; the message names it."""
+class StateDictError(KeyError, ValueError):
+    """A checkpoint tensor is missing, unexpected or of the wrong shape; the message names it.
+
+    Both a KeyError (missing/unexpected names) and a ValueError (wrong shapes), so callers can
+    catch it either way."""
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0])
