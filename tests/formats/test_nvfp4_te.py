@@ -1,13 +1,9 @@
 """The ``te`` NVFP4 profile against an independent numpy transcription of Transformer Engine.
 
 TE cannot be installed here (CUDA libraries at import; its FP4 kernels need sm_100), so the
-oracle below is written from TE's CUDA source, not from our code: ``core_nvfp4.cuh``
-(``compute_global_encode_scaling_factor_FP4``, ``quantization_and_transposition_SF::
-compute_decoding_scaling_factor``, ``compute_scaling_coefficient<float>``), the amax reductions
-of ``quantize_transpose_nvfp4.cuh`` (``fmaxf`` from 0, which skips NaN) and
-``dequantize_nvfp4.cuh``. Element and e4m3 casts come from ml_dtypes, a third implementation.
-The element and scale casts are also checked against NVIDIA's own host conversions
-(``te_probe/``: cuda_fp4.h / cuda_fp8.h from CUDA 13.0), including NaN -> 0x7 (+MAXNORM).
+oracle (``nvfp4_te_oracle.py``) is written from TE's CUDA source, not from our code, with
+element and e4m3 casts from ml_dtypes, a third implementation. The element and scale casts
+are also checked against NVIDIA's own host conversions (``te_probe/``: cuda_fp4.h / cuda_fp8.h from CUDA 13.0), including NaN -> 0x7 (+MAXNORM).
 """
 
 from __future__ import annotations
@@ -25,50 +21,13 @@ from workbench.formats.elements import unpack_fp4
 from workbench.formats.nvfp4 import _round, dequantize_nvfp4, quantize_nvfp4_parts
 from workbench.formats.nvfp4_profiles import PROFILES
 
-ml_dtypes = pytest.importorskip("ml_dtypes")
-F32 = np.float32
-FLT_MAX = F32(np.finfo(np.float32).max)
-
-
-def _fmax_abs(a: np.ndarray, axes) -> np.ndarray:
-    # CUDA fmaxf(acc, fabsf(v)) starting at 0: NaN operands are ignored.
-    return np.fmax.reduce(np.abs(a), axis=axes, initial=F32(0.0)).astype(F32)
-
-
-def te_reference(x: np.ndarray, amax: np.float32 | None = None, tile_rows: int = 1):
-    """Codes [R, K], e4m3 scale bytes [R, K/16], decoded fp32 [R, K] for a 2-D fp32 array."""
-    rows, k = x.shape
-    if amax is None:
-        amax = _fmax_abs(x, None)
-    amax = F32(amax)
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        s_enc = np.fmin(F32(448.0) * F32(6.0) / amax, FLT_MAX)
-        if amax == 0 or s_enc == 0:
-            s_enc = F32(1.0)
-        s_dec = F32(F32(1.0) / s_enc)
-        blocks = x.reshape(rows, k // 16, 16)
-        if tile_rows == 1:
-            bamax = _fmax_abs(blocks, 2)
-        else:
-            tiles = x.reshape(rows // 16, 16, k // 16, 16)
-            bamax = np.repeat(_fmax_abs(tiles, (1, 3)), 16, axis=0)
-        s_dec_b = np.fmin(bamax * (s_enc * F32(F32(1.0) / F32(6.0))), FLT_MAX)
-        scale = np.clip(s_dec_b, -448.0, 448.0).astype(F32).astype(ml_dtypes.float8_e4m3fn)
-        scale_f = scale.astype(F32)
-        rcp = np.fmin(F32(1.0) / (scale_f * s_dec), FLT_MAX)
-        v = (blocks * rcp[..., None]).astype(F32).reshape(rows, k)
-        codes = np.clip(v, -6.0, 6.0).astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
-        codes = np.where(np.isnan(v), np.uint8(7), codes)
-        factor_inv = F32(1.0 / (6.0 * 448.0))
-        final_scale = (scale_f * amax) * factor_inv
-        values = codes.view(ml_dtypes.float4_e2m1fn).astype(F32).reshape(rows, k // 16, 16)
-        decoded = (values * final_scale[..., None]).astype(F32).reshape(rows, k)
-    return codes, scale.view(np.uint8), decoded
+pytest.importorskip("ml_dtypes")
+from nvfp4_te_oracle import _fmax_abs, te_reference
 
 
 def check_against_te(x: torch.Tensor, tile_rows: int = 1, global_amax=None) -> None:
     xf = x.float().numpy()
-    codes, scale, decoded = te_reference(xf, None if global_amax is None else F32(global_amax),
+    codes, scale, decoded = te_reference(xf, None if global_amax is None else np.float32(global_amax),
                                          tile_rows)
     p = quantize_nvfp4_parts(x, "te", global_amax, tile_rows=tile_rows)
     ours_codes = unpack_fp4(p.data)
