@@ -3,7 +3,8 @@
 TE cannot be installed here (CUDA libraries at import; its FP4 kernels need sm_100), so the
 oracle (``nvfp4_te_oracle.py``) is written from TE's CUDA source, not from our code, with
 element and e4m3 casts from ml_dtypes, a third implementation. The element and scale casts
-are also checked against NVIDIA's own host conversions (``te_probe/``: cuda_fp4.h / cuda_fp8.h from CUDA 13.0), including NaN -> 0x7 (+MAXNORM).
+are also checked against NVIDIA's own host conversions (``te_probe/``: cuda_fp4.h and
+cuda_fp8.h from CUDA 13.0), including NaN -> 0x7 (+MAXNORM).
 """
 
 from __future__ import annotations
