@@ -184,6 +184,7 @@ AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 AccountingStoragePort=$DBD_PORT
 JobCompType=jobcomp/none
+MailProg=/bin/true
 SlurmdParameters=config_overrides
 SchedulerParameters=bf_interval=2
 ReturnToService=2

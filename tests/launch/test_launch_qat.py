@@ -1,10 +1,10 @@
-"""Real tiny QAT runs of the workbench trainer through submitit: EP4 (1x4) and EP8 (2x4) on the
-local Slurm cluster, preemption with resume, and EP4 on the local executor.
+"""Real tiny QAT runs of the workbench trainer through submitit: EP4 on the local executor, EP4
+(1x4) and EP8 (2x4) on the local Slurm cluster, and a preempted Slurm run that resumes.
 
-The oracle is the trainer itself run uninterrupted: with the same seed and data, EP8 (two
-nodes), a preempted-and-resumed run and a local-executor run must all retrace the EP4 Slurm
-run's loss curve step by step (observed differences: < 1e-6; the tolerance leaves room for
-all-to-all summation order)."""
+The oracle is the trainer itself: with the same seed and data, the EP4 Slurm run, the EP8 run over
+two nodes and the preempted-and-resumed run must all retrace the local-executor EP4 run's loss
+curve step by step (observed differences: < 1e-6; the tolerance leaves room for all-to-all
+summation order)."""
 
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ def _qat(tmp, name, preset_fn=ep4, **kw) -> LaunchSpec:
 
 
 @pytest.fixture(scope="module")
-def ep4_run(slurm_cluster, tmp_path_factory):
-    job = submit(_qat(tmp_path_factory.mktemp("qat"), "ep4"))
-    state = job.wait(timeout=WAIT_S)
-    return job, state
+def local_run(tmp_path_factory):
+    """EP4 on submitit's local executor: the reference curve (needs no Slurm)."""
+    job = submit(_qat(tmp_path_factory.mktemp("qat"), "local", executor="local"))
+    return job, job.wait(timeout=WAIT_S)
 
 
 def _curve_matches(job: JobHandle, ref: JobHandle) -> None:
@@ -40,10 +40,10 @@ def _curve_matches(job: JobHandle, ref: JobHandle) -> None:
     assert got["loss"].tolist() == pytest.approx(want["loss"].tolist(), rel=0, abs=ATOL)
 
 
-@pytest.mark.slurm
-def test_ep4_qat_completes_on_slurm(ep4_run):
-    job, state = ep4_run
+def test_local_executor_ep4_qat_completes(local_run):
+    job, state = local_run
     assert state == "COMPLETED", job.log_tail(40)
+    assert job.spec.executor == "local"
     res = job.result()
     assert (res["world_size"], res["step"], res["stopped"], res["recipe"]) == (4, STEPS, False, "mxfp4")
     assert json.loads((job.folder / "result.json").read_text()) == res  # the trainer's own file
@@ -55,8 +55,18 @@ def test_ep4_qat_completes_on_slurm(ep4_run):
 
 
 @pytest.mark.slurm
-def test_ep8_qat_over_two_nodes_retraces_ep4(ep4_run, tmp_path):
-    ref, _ = ep4_run
+def test_ep4_qat_on_slurm_retraces_local(slurm_cluster, local_run, tmp_path):
+    ref, _ = local_run
+    job = submit(_qat(tmp_path, "ep4"))
+    assert (job.spec.executor, job.spec.nodes, job.spec.tasks_per_node) == ("slurm", 1, 4)
+    assert job.wait(timeout=WAIT_S) == "COMPLETED", job.log_tail(40)
+    assert job.result()["world_size"] == 4
+    _curve_matches(job, ref)
+
+
+@pytest.mark.slurm
+def test_ep8_qat_over_two_nodes_retraces_local(slurm_cluster, local_run, tmp_path):
+    ref, _ = local_run
     job = submit(_qat(tmp_path, "ep8", preset_fn=ep8))
     assert (job.spec.nodes, job.spec.tasks_per_node) == (2, 4)
     assert job.wait(timeout=WAIT_S) == "COMPLETED", job.log_tail(40)
@@ -67,8 +77,8 @@ def test_ep8_qat_over_two_nodes_retraces_ep4(ep4_run, tmp_path):
 
 
 @pytest.mark.slurm
-def test_preempted_qat_resumes_on_the_same_curve(ep4_run, tmp_path):
-    ref, _ = ep4_run
+def test_preempted_qat_resumes_on_the_same_curve(slurm_cluster, local_run, tmp_path):
+    ref, _ = local_run
     job = submit(_qat(tmp_path, "pre"))
     end = time.monotonic() + WAIT_S
     while len(job.metrics()) < 3:
@@ -88,10 +98,3 @@ def test_preempted_qat_resumes_on_the_same_curve(ep4_run, tmp_path):
     assert job.result()["step"] == STEPS
     _curve_matches(job, ref)  # continuous, and the resumed half is the same training
 
-
-def test_local_executor_ep4_retraces_slurm(ep4_run, tmp_path):
-    ref, _ = ep4_run
-    job = submit(_qat(tmp_path, "local", executor="local"))
-    assert job.wait(timeout=WAIT_S) == "COMPLETED", job.log_tail(40)
-    assert job.result()["world_size"] == 4
-    _curve_matches(job, ref)

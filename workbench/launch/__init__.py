@@ -9,12 +9,13 @@
 """
 
 from .handle import JobFailedError, JobHandle, LaunchError, TERMINAL
-from .metrics import MetricsFormatError, read_metrics
+from .metrics import read_metrics
 from .spec import LaunchSpec, LaunchSpecError, ep4, ep8, local
 from .submit import make_executor, submit, sweep
+from .watch import curves, status, watch
 
 attach = JobHandle.attach
 
 __all__ = ["LaunchSpec", "LaunchSpecError", "JobHandle", "JobFailedError", "LaunchError",
-           "MetricsFormatError", "TERMINAL", "attach", "ep4", "ep8", "local", "make_executor",
-           "read_metrics", "submit", "sweep"]
+           "TERMINAL", "attach", "ep4", "ep8", "local", "make_executor",
+           "read_metrics", "submit", "sweep", "curves", "status", "watch"]

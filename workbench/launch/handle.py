@@ -183,7 +183,7 @@ class JobHandle:
         so a resumed run that re-logged steps shows one continuous curve)."""
         from .metrics import read_metrics
 
-        return read_metrics(self.folder / "metrics.jsonl")
+        return read_metrics(self.folder)
 
     def result(self, timeout: float | None = None) -> object:
         """Wait, then return rank 0's return value (the trainer's result dict)."""

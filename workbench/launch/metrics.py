@@ -1,41 +1,20 @@
-"""Read a run's metrics.jsonl (written by the trainer, one JSON object per step) while it grows."""
+"""A run's live metrics: the trainer's metrics.jsonl through the one reader, workbench.track's."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 
-class MetricsFormatError(ValueError):
-    """metrics.jsonl holds a line that is not a JSON object with an integer 'step'."""
-
-
 def read_metrics(path: str | Path):
-    """DataFrame sorted by step, one row per step; when a step appears twice (a resumed run
-    re-logging the steps after its last checkpoint) the later line wins. A last line without its
-    newline is skipped: the trainer may be writing it right now. Empty frame if there is no file."""
+    """DataFrame sorted by step, one row per step (for a step logged twice, e.g. re-done after a
+    resume, the latest value wins); a last line still being written is skipped. Unlike
+    `workbench.track.metrics.read_metrics`, a run that has not logged yet gives an empty frame
+    (columns step, loss), so notebooks can poll from submission on."""
     import pandas as pd
 
-    path = Path(path)
-    if not path.is_file():
-        return pd.DataFrame(columns=["step", "loss"])
-    text = path.read_text()
-    lines = text.split("\n")
-    if not text.endswith("\n"):
-        lines = lines[:-1]  # partial line in flight
-    rows: dict[int, dict] = {}
-    for no, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise MetricsFormatError(f"{path}:{no}: not JSON ({e.msg}): {line[:80]!r}") from e
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-            raise MetricsFormatError(f"{path}:{no}: expected an object with an integer 'step', "
-                                     f"got {line[:80]!r}")
-        rows.pop(row["step"], None)  # re-insert so dict order follows the latest write
-        rows[row["step"]] = row
-    if not rows:
-        return pd.DataFrame(columns=["step", "loss"])
-    return pd.DataFrame(list(rows.values())).sort_values("step", kind="stable").reset_index(drop=True)
+    from workbench.track.metrics import read_metrics as _read
+
+    p = Path(path)
+    if (p / "metrics.jsonl").is_file() or p.is_file():
+        return _read(p)
+    return pd.DataFrame({"step": pd.Series([], dtype="int64"), "loss": pd.Series([], dtype="float64")})
