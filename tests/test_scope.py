@@ -164,5 +164,7 @@ def test_all_linear_preset():
 def test_bad_patterns_fail_at_construction():
     with pytest.raises(ValueError):
         Pattern("x", "fuzzy")
-    with pytest.raises(Exception):
+    import re
+
+    with pytest.raises(re.error):
         Pattern("re:([", "ct")

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 EMBEDDING_LEAVES = ("embed_tokens", "wte", "wpe", "word_embeddings", "embeddings", "embed",
                     "tok_embeddings", "embedding")
@@ -132,13 +133,13 @@ class QuantScope:
 
     @classmethod
     def from_patterns(cls, include: Iterable[str], ignore: Iterable[str] = (), recipe: Any = None,
-                      *, label: str = "custom", names=None) -> "QuantScope":
+                      *, label: str = "custom", names=None) -> QuantScope:
         rule = Rule(label, tuple(Pattern(p) for p in include), recipe)
         return cls([rule], [Pattern(p) for p in ignore], label=label, names=names)
 
     @classmethod
     def from_config(cls, qcfg, names=None, *, stored: Mapping[str, Any] | None = None
-                    ) -> "QuantScope":
+                    ) -> QuantScope:
         """From a `workbench.checkpoint.config.QuantConfig` (duck-typed: no import cycle)."""
         rules = [Rule(g.name, tuple(Pattern(t) for t in g.targets), g.codec)
                  for g in qcfg.groups if g.codec is not None]
@@ -147,7 +148,7 @@ class QuantScope:
         return cls(rules, ignore, label=label, names=names, stored=stored)
 
     @classmethod
-    def preset(cls, name: str, recipe: Any = "mxfp4", *, names=None) -> "QuantScope":
+    def preset(cls, name: str, recipe: Any = "mxfp4", *, names=None) -> QuantScope:
         """QAT presets: "routed-experts" or "all-linear" (see `PRESETS`)."""
         try:
             include, ignore = PRESETS[name]

@@ -14,13 +14,23 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
-from workbench.checkpoint import (CheckpointError, ConfigError, CorruptShardError,
-                                  DtypeMismatchError, FormatMismatchError, MissingCompanionError,
-                                  MissingFileError, ShapeMismatchError, UncoveredTensorError,
-                                  UnknownFormatError, UnsafePathError, ValidationError,
-                                  open_checkpoint)
 from writers import write_ct, write_gpt_oss
+
+from workbench.checkpoint import (
+    CheckpointError,
+    ConfigError,
+    CorruptShardError,
+    DtypeMismatchError,
+    FormatMismatchError,
+    MissingCompanionError,
+    MissingFileError,
+    ShapeMismatchError,
+    UncoveredTensorError,
+    UnknownFormatError,
+    UnsafePathError,
+    ValidationError,
+    open_checkpoint,
+)
 
 EXPERT = "model.layers.1.mlp.experts.2.up_proj"
 
@@ -318,7 +328,8 @@ print(json.dumps(out))
 def test_fuzzed_headers_only_raise_checkpoint_errors(pristine, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     p = subprocess.run([sys.executable, "-c", FUZZ, str(pristine["mxfp4"]), str(tmp_path), "40",
-                        "7"], capture_output=True, text=True, timeout=240, env=env)
+                        "7"], check=False, capture_output=True, text=True, timeout=240,
+                       env=env)
     assert p.returncode == 0, p.stderr[-3000:]  # a segfault or abort would show here
     outcomes = json.loads(p.stdout.strip().splitlines()[-1])
     bad = [o for o in outcomes if o.startswith("UNEXPECTED")]

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from workbench.checkpoint import (ConfigError, UnknownFormatError, load_quant_config,
-                                  open_checkpoint)
 from writers import gen, save_sharded, write_ct, write_gpt_oss, write_modelopt
+
+from workbench.checkpoint import ConfigError, UnknownFormatError, load_quant_config, open_checkpoint
 
 
 def cfg_dir(tmp_path: Path, config: dict, hf: dict | None = None) -> Path:
@@ -114,8 +113,7 @@ def test_dense(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["channel", "block"])
 def test_ct_float_quantized_fp8_matches_compressed_tensors(tmp_path, strategy):
-    from compressed_tensors.compressors.naive_quantized.base import (
-        NaiveQuantizationCompressor)
+    from compressed_tensors.compressors.naive_quantized.base import NaiveQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     R, C = 200, 160

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from writers import write_ct, write_fp8_block, write_gpt_oss, write_modelopt, write_te
 
 from workbench.checkpoint import open_checkpoint
 from workbench.formats import QuantizedTensor, dequantize
-from writers import (write_ct, write_fp8_block, write_gpt_oss, write_modelopt, write_te)
 
 CASES = {
     # name: (writer, layout, routed records, shared, dense)
@@ -101,7 +101,8 @@ def ct_decompress(ck, t, base):
         from compressed_tensors.compressors.mxfp8.base import MXFP8QuantizationCompressor as C
     else:
         from compressed_tensors.compressors.pack_quantized.base import (
-            PackedQuantizationCompressor as C)
+            PackedQuantizationCompressor as C,
+        )
     return C.decompress(sd, scheme)["weight"].to(torch.bfloat16)
 
 
@@ -311,7 +312,6 @@ def test_bad_indices(ckpts):
 
 def _gpt_oss_specials(tmp_path, bytes_):
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
     from writers import save_sharded
 
     E, N, K = 2, 4, 64

@@ -14,10 +14,21 @@ No transformers import here: safetensors + json + torch (+ workbench.formats to 
 
 from .checkpoint import Checkpoint, open_checkpoint
 from .config import ConfigGroup, QuantConfig, WeightArgs, load_quant_config
-from .errors import (CheckpointError, ConfigError, CorruptShardError, DtypeMismatchError,
-                     FormatMismatchError, MissingCompanionError, MissingFileError,
-                     MissingTensorError, ShapeMismatchError, UncoveredTensorError,
-                     UnknownFormatError, UnsafePathError, ValidationError)
+from .errors import (
+                     CheckpointError,
+                     ConfigError,
+                     CorruptShardError,
+                     DtypeMismatchError,
+                     FormatMismatchError,
+                     MissingCompanionError,
+                     MissingFileError,
+                     MissingTensorError,
+                     ShapeMismatchError,
+                     UncoveredTensorError,
+                     UnknownFormatError,
+                     UnsafePathError,
+                     ValidationError,
+)
 from .experts import ExpertRecord
 from .index import ShardIndex, TensorEntry
 from .layouts import LogicalSpec

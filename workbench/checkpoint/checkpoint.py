@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from ..scope import QuantScope
-from .config import QuantConfig, load_quant_config
+from .config import load_quant_config
 from .errors import CheckpointError, MissingTensorError, ValidationError
 from .experts import ExpertRecord, expert_records
 from .index import ShardIndex

@@ -27,8 +27,15 @@ from typing import NamedTuple
 
 import torch
 
-from .errors import (CheckpointError, ConfigError, ValidationError, CorruptShardError, MissingFileError, MissingTensorError,
-                     UnsafePathError)
+from .errors import (
+    CheckpointError,
+    ConfigError,
+    CorruptShardError,
+    MissingFileError,
+    MissingTensorError,
+    UnsafePathError,
+    ValidationError,
+)
 
 # safetensors dtype string -> (torch dtype, bits per element)
 DTYPES: dict[str, tuple[torch.dtype, int]] = {

@@ -25,8 +25,15 @@ import torch
 
 from ..scope import QuantScope, is_weight_param, split_name
 from .config import QuantConfig
-from .errors import (CheckpointError, ConfigError, DtypeMismatchError, FormatMismatchError,
-                     MissingCompanionError, ShapeMismatchError, UncoveredTensorError)
+from .errors import (
+    CheckpointError,
+    ConfigError,
+    DtypeMismatchError,
+    FormatMismatchError,
+    MissingCompanionError,
+    ShapeMismatchError,
+    UncoveredTensorError,
+)
 from .index import ShardIndex
 
 LAYOUT_OF_METHOD = {"compressed-tensors": "compressed-tensors", "mxfp4": "gpt-oss",
