@@ -218,3 +218,35 @@ def _to(q, dev):
 
     gs = None if q.global_scale is None else q.global_scale.to(dev)
     return replace(q, data=q.data.to(dev), scale=q.scale.to(dev), global_scale=gs)
+
+
+@dataclass
+class ExpertDetail:
+    """One expert weight under one recipe: what the expert-picker plots show."""
+
+    label: str
+    recipe: str
+    weight: torch.Tensor  # reference BF16 [out, in]
+    deq: torch.Tensor  # decoded under the recipe (or the stored grid)
+    exponents: torch.Tensor  # block-scale exponents
+    metrics: dict
+
+
+def expert_detail(ck, layer: int, expert: int, proj: str, recipe: str | Recipe | None = None,
+                  kind: str = "routed") -> ExpertDetail:
+    """Decode one expert projection and quantize it with ``recipe`` (None: the stored grid)."""
+    from workbench.checkpoint.grid import stored_grid
+
+    rec = ck.record(layer, expert, proj, kind)
+    w = ck.view_of(rec).materialize()
+    if recipe is None:
+        q = stored_grid(ck, rec)
+        if q is None:
+            raise ValueError(f"{rec.key} is stored dense: pass a recipe to quantize it")
+        deq, label = w, _stored_label(ck, rec)
+    else:
+        r = parse_recipe(recipe)
+        q = _quantize_2d(w, r)
+        deq, label = dequantize(q, torch.float32), str(r)
+    return ExpertDetail(f"L{layer} E{expert} {proj}", label, w, deq, scale_exponents(q),
+                        error_metrics(w, deq, q))

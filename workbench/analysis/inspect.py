@@ -1,0 +1,113 @@
+"""``workbench inspect``: the question a checkpoint invites, answered as tables, figures and a summary.
+
+- BF16/dense checkpoint: what would each candidate recipe cost? (question 1)
+- packed checkpoint with ``reference``: how far is it from the BF16 reference? (question 2), and,
+  when recipes are given, what those recipes would cost on the reference (question 1 on it).
+- packed checkpoint alone: does its stored grid match re-quantizing with each recipe? (question 3)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .tables import ErrorTables, candidate_errors, reference_errors, stored_vs_recipes
+
+DENSE_DEFAULT = ("mxfp4:rceil", "mxfp4:floor", "nvfp4:torchao")
+STORED_DEFAULT = {"mxfp4": ("mxfp4:rceil", "mxfp4:floor", "mxfp4:even"),
+                  "nvfp4": ("nvfp4:torchao", "nvfp4:te", "nvfp4:compressed-tensors"),
+                  "mxfp8_e4m3": ("mxfp8_e4m3:rceil", "mxfp8_e4m3:floor")}
+
+
+@dataclass
+class InspectResult:
+    question: str
+    tables: ErrorTables
+    summary: str
+    figures: dict = field(default_factory=dict)  # file stem -> Figure
+
+
+def _stored_formats(ck) -> list[str]:
+    fmts = []
+    for r in ck.expert_records():
+        rec = ck.recipe_of(r.name)
+        f = getattr(rec, "fmt", None)
+        if f and f not in fmts:
+            fmts.append(f)
+    return fmts
+
+
+def inspect_checkpoint(ck, recipes=None, reference=None, *, progress: bool = True,
+                       device: str | None = None) -> InspectResult:
+    import pandas as pd
+
+    kw = {"progress": progress, "device": device}
+    fmts = _stored_formats(ck)
+    if reference is not None:
+        t = reference_errors(ck, reference, **kw)
+        question = "stored weights vs BF16 reference"
+        if recipes:
+            c = candidate_errors(reference, recipes, **kw)
+            t = ErrorTables(pd.concat([t.experts, c.experts], ignore_index=True),
+                            pd.concat([t.scales, c.scales], ignore_index=True))
+            question += " (and candidate recipes on the reference)"
+    elif fmts:
+        recipes = list(recipes or [r for f in fmts for r in STORED_DEFAULT.get(f, ())])
+        t = stored_vs_recipes(ck, recipes, **kw)
+        question = f"stored {'/'.join(fmts)} grid vs re-quantizing with {', '.join(recipes)}"
+    else:
+        recipes = list(recipes or DENSE_DEFAULT)
+        t = candidate_errors(ck, recipes, **kw)
+        question = f"candidate recipes {', '.join(recipes)} on BF16 weights"
+    return InspectResult(question, t, summarize(t.experts, question, ck.path))
+
+
+def summarize(df, question: str, path, worst: int = 5) -> str:
+    lines = [f"workbench inspect {path}", f"question: {question}"]
+    if df.empty:
+        return "\n".join(lines + ["no quantizable expert weights found"])
+    cols = [c for c in ("rel_err", "sqnr_db", "max_abs_err", "clip_frac", "zero_frac",
+                        "scale_mismatch_frac", "code_mismatch_frac") if c in df]
+    means = df.replace([float("inf")], float("nan")).groupby(["kind", "recipe"])[cols].mean()
+    lines += ["", "per-recipe means (SQNR mean ignores exact rows):", means.to_string(float_format=lambda v: f"{v:.4g}")]
+    routed = df[df.kind == "routed"]
+    for rec, g in routed.groupby("recipe"):
+        top = g.nlargest(worst, "rel_err")
+        lines.append("")
+        lines.append(f"worst {len(top)} routed experts for {rec} (rel_err):")
+        lines += [f"  layer {r.layer:3d} expert {r.expert:4d} {r.proj:4s}  rel_err {r.rel_err:.4g}  "
+                  f"sqnr {r.sqnr_db:.2f} dB  clip {r.clip_frac:.3g}" for r in top.itertuples()]
+    return "\n".join(lines)
+
+
+def figures(result: InspectResult, metric: str = "rel_err") -> dict:
+    from workbench import plots
+
+    df = result.tables.experts
+    figs = {}
+    routed = df[df.kind == "routed"]
+    if routed.empty:
+        return figs
+    for rec in sorted(routed.recipe.unique()):
+        safe = rec.replace(":", "_")
+        figs[f"heatmap_{metric}_{safe}"] = plots.heatmap(df, metric, recipe=rec)
+        figs[f"worst_{safe}"] = plots.worst_experts(df, metric, recipe=rec)
+        figs[f"experts_{safe}"] = plots.expert_distribution(df, metric, recipe=rec)
+    if routed.recipe.nunique() > 1:
+        figs["recipes_sqnr_db"] = plots.recipe_comparison(df, "sqnr_db")
+    if not result.tables.scales.empty:
+        figs["scale_exponents"] = plots.scale_histogram(result.tables.scales)
+    return figs
+
+
+def write_report(result: InspectResult, out: str | os.PathLike, *, dpi: int = 110) -> Path:
+    out = Path(out)
+    result.tables.save(out)
+    result.figures = result.figures or figures(result)
+    for stem, fig in result.figures.items():
+        tmp = out / f".{stem}.png.tmp"
+        fig.savefig(tmp, dpi=dpi, format="png")
+        os.replace(tmp, out / f"{stem}.png")
+    (out / "summary.txt").write_text(result.summary + "\n")
+    return out
