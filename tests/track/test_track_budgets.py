@@ -133,3 +133,9 @@ def test_verdicts_published_to_wandb(wandb_dir):
         "budget violated: step time <= 2x baseline",
         "budget violated: val_loss within 2% of baseline @ last"]
     assert all(a["text"].startswith("judged: ") for a in run.alerts)
+
+
+def test_warmup_is_validated():
+    for cls in (StepTimeRatio, TokensPerSecRatio, FakeQuantShare):
+        with pytest.raises(ValueError, match="warmup"):
+            cls(0.5, warmup=-1)

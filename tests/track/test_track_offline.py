@@ -197,3 +197,34 @@ def test_live_run_is_readable_while_written(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     done = find_runs(tmp_path)[0]
     assert done.finished and list(done.history["loss"]) == [r["metrics"]["loss"] for r in rows]
+
+
+def test_version_pin(wandb_dir, monkeypatch):
+    import wandb
+
+    run = read_run(_one(wandb_dir, "exact").paths[0])
+    assert run.wandb_version == wandb.__version__  # written by the installed wandb
+    monkeypatch.setattr(wandb, "__version__", "0.40.0")
+    with pytest.warns(UserWarning, match=r"tested with wandb 0\.31\.x; installed wandb is 0\.40"):
+        read_run(run.paths[0])
+
+
+def test_file_from_other_wandb_version_warns(tmp_path):
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    recs = [pb.Record(header=pb.HeaderRecord(version_info=pb.VersionInfo(producer="0.99.1+x"))),
+            pb.Record(run=pb.RunRecord(run_id="abc", display_name="n", run_group="g")),
+            pb.Record(history=pb.HistoryRecord(item=[
+                pb.HistoryItem(key="_step", value_json="0"),
+                pb.HistoryItem(key="loss", value_json="2.5")]))]
+    body = b""
+    for r in recs:  # small records: one FULL (type 1) physical record each
+        data = r.SerializeToString()
+        body += struct.pack("<IHB", zlib.crc32(bytes([1]) + data), len(data), 1) + data
+    f = tmp_path / "run-abc.wandb"
+    f.write_bytes(FILE_HEADER + body)
+    with pytest.warns(UserWarning, match=r"written by wandb 0\.99\.1"):
+        run = read_run(f)
+    assert (run.id, run.name, run.group, run.wandb_version) == ("abc", "n", "g", "0.99.1")
+    assert run.history.to_dict("records") == [{"_step": 0, "loss": 2.5}]
+    assert not run.finished and not run.truncated

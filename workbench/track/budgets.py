@@ -51,6 +51,11 @@ def _col(df: pd.DataFrame, column: str) -> pd.DataFrame:
     return df.loc[df[column].notna(), ["step", column]].astype({column: "float64"})
 
 
+def _warmup_ok(name: str, warmup: int) -> None:
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"{name}: warmup must be an int >= 0 (steps left out), got {warmup!r}")
+
+
 def _positive(name: str, **values: float) -> None:
     for k, v in values.items():
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
@@ -213,6 +218,7 @@ class StepTimeRatio(_RatioToBaseline):
 
     def __post_init__(self) -> None:
         _positive("StepTimeRatio", max_ratio=self.max_ratio)
+        _warmup_ok("StepTimeRatio", self.warmup)
 
     @property
     def name(self) -> str:
@@ -234,6 +240,7 @@ class TokensPerSecRatio(_RatioToBaseline):
 
     def __post_init__(self) -> None:
         _positive("TokensPerSecRatio", min_ratio=self.min_ratio)
+        _warmup_ok("TokensPerSecRatio", self.warmup)
 
     @property
     def name(self) -> str:
@@ -257,6 +264,7 @@ class FakeQuantShare:
         if not 0 < self.max_share <= 1:
             raise ValueError(f"FakeQuantShare: max_share must be in (0, 1], "
                              f"got {self.max_share}")
+        _warmup_ok("FakeQuantShare", self.warmup)
 
     @property
     def name(self) -> str:

@@ -42,6 +42,7 @@ class OfflineRun:
     start_time: float = 0.0
     truncated: bool = False  # the (last) file ended inside a record
     paths: tuple[str, ...] = ()
+    wandb_version: str = ""  # of the wandb that wrote the (last) file
 
     @property
     def finished(self) -> bool:
@@ -55,6 +56,8 @@ def _pb():
     except ImportError as exc:
         raise ImportError("reading wandb run files needs wandb: "
                           "pip install 'workbench[track]'") from exc
+    # The record schema comes from the installed wandb; the framing and field use were
+    # checked against 0.31 only.
     if not wandb.__version__.startswith(TESTED_WANDB):
         warnings.warn(f"the wandb run-file reader was tested with wandb {TESTED_WANDB}x; "
                       f"installed wandb is {wandb.__version__}", stacklevel=3)
@@ -150,6 +153,7 @@ def _decode(path: Path) -> OfflineRun:
     alerts: list[dict[str, str]] = []
     exit_code = None
     start_time = 0.0
+    producer = ""
     for off, payload in scan.records:
         rec = pb.Record()
         try:
@@ -178,6 +182,11 @@ def _decode(path: Path) -> OfflineRun:
                                "level": rec.alert.level})
             elif kind == "exit":
                 exit_code = rec.exit.exit_code
+            elif kind == "header":
+                producer = rec.header.version_info.producer.split("+")[0]
+                if producer and not producer.startswith(TESTED_WANDB):
+                    warnings.warn(f"{path}: written by wandb {producer}; this reader was "
+                                  f"tested with files of wandb {TESTED_WANDB}x", stacklevel=3)
         except (ValueError, TypeError) as exc:  # DecodeError and JSONDecodeError are ValueErrors
             raise CorruptRunFile(path, off, f"undecodable record: {exc}") from exc
     config.pop("_wandb", None)
@@ -187,7 +196,7 @@ def _decode(path: Path) -> OfflineRun:
         history = history.sort_values("_step", kind="stable").reset_index(drop=True)
     return OfflineRun(config=config, summary=summary, history=history, alerts=alerts,
                       exit_code=exit_code, start_time=start_time, truncated=scan.truncated,
-                      paths=(str(path),), **meta)
+                      paths=(str(path),), wandb_version=producer, **meta)
 
 
 def _apply_config(config: dict[str, Any], rec) -> None:
@@ -220,4 +229,4 @@ def _merge(segs: list[OfflineRun]) -> OfflineRun:
         history=pd.concat(parts, ignore_index=True),
         alerts=[a for s in segs for a in s.alerts], exit_code=last.exit_code,
         start_time=segs[0].start_time, truncated=last.truncated,
-        paths=tuple(p for s in segs for p in s.paths))
+        paths=tuple(p for s in segs for p in s.paths), wandb_version=last.wandb_version)
