@@ -28,8 +28,8 @@ from nvfp4_te_oracle import _fmax_abs, te_reference
 
 def check_against_te(x: torch.Tensor, tile_rows: int = 1, global_amax=None) -> None:
     xf = x.float().numpy()
-    codes, scale, decoded = te_reference(xf, None if global_amax is None else np.float32(global_amax),
-                                         tile_rows)
+    amax = None if global_amax is None else np.float32(global_amax)
+    codes, scale, decoded = te_reference(xf, amax, tile_rows)
     p = quantize_nvfp4_parts(x, "te", global_amax, tile_rows=tile_rows)
     ours_codes = unpack_fp4(p.data)
     assert torch.equal(ours_codes, torch.from_numpy(codes)), \

@@ -4,14 +4,15 @@ One row of ``PROFILES`` per library (see ``nvfp4.py`` for the sources and FORMAT
 table). ``g`` is always the global in the library's own stored form. Shape legend: ``x_RBS``
 blocked input (R leading dims, B blocks, S = 16), ``bamax``/``s`` per block ``_RB``.
 
-Special values, as each library behaves (all checked against the library in tests/formats):
+Special values as each library handles them (tests/formats checks every row against the library;
+``te`` against a transcription of its kernels). tiny<0: a negative that rounds to zero.
 
-| profile            | NaN in tensor      | amax 0        | zero block | -0.0 | tiny x<0 | NaN elem | 0x8 |
-|--------------------|--------------------|---------------|------------|------|----------|----------|-----|
-| torchao            | all scales NaN     | scales NaN    | 2^-6       | 0x8  | 0x8      | 2-4+sign*| -0  |
-| te                 | skipped by amax    | S_enc = 1     | 0          | 0x8  | 0x8      | 0x7      | -0  |
-| modelopt-export    | all scales NaN     | scales NaN    | 1.0        | 0x0  | 0x8      | 0x7      | +0  |
-| compressed-tensors | global 1, block NaN| global 1      | 0.125      | 0x0  | 0x8      | undefined| -0  |
+| profile            | NaN in x        | amax 0     | zero block | -0.0 | tiny<0 | NaN elem | 0x8 |
+|--------------------|-----------------|------------|------------|------|--------|----------|-----|
+| torchao            | scales NaN      | scales NaN | 2^-6       | 0x8  | 0x8    | 2..4,sgn*| -0  |
+| te                 | skipped by amax | S_enc = 1  | 0          | 0x8  | 0x8    | 0x7      | -0  |
+| modelopt-export    | scales NaN      | scales NaN | 1.0        | 0x0  | 0x8    | 0x7      | +0  |
+| compressed-tensors | global 1        | global 1   | 0.125      | 0x0  | 0x8    | undefined| -0  |
 
 (*) by NaN payload: 0x3 for +qNaN, 0xB for the -qNaN that x86 produces for 0*inf.
 torchao itself rejects fp16 input; every profile here accepts it (the fp32 upcast is exact).
@@ -232,4 +233,6 @@ def get_profile(name: str) -> NVFP4Profile:
     try:
         return PROFILES[name]
     except KeyError:
-        raise ValueError(f"unknown NVFP4 profile {name!r}; choose one of {sorted(PROFILES)}") from None
+        raise ValueError(
+            f"unknown NVFP4 profile {name!r}; choose one of {sorted(PROFILES)}"
+        ) from None
