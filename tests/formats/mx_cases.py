@@ -149,7 +149,8 @@ def triton_kernels_reference(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, t
 
     Transcribed line by line from triton-lang/triton python/triton_kernels/.../_downcast_to_mxfp.py
     (it cannot run here: it needs a GPU). uint32 arithmetic wraps as on the GPU; ``max.f32``
-    ignores NaN operands (``np.fmax``). FP8 uses ml_dtypes' RNE cast after a saturating clamp
+    ignores NaN operands (``np.fmax``) and NaN results are the GPU's canonical NaN (both seen on
+    an H200 running the kernel itself). FP8 uses ml_dtypes' RNE cast after a saturating clamp
     (``cvt.rn.satfinite``).
     """
     import ml_dtypes
@@ -164,6 +165,8 @@ def triton_kernels_reference(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, t
         rounded = exp_bits.view(np.float32)
         quant_scale = np.where(rounded == 0, np.float32(0), np.float32(1.0) / rounded).astype(np.float32)
         q = (f32 * quant_scale).astype(np.float32)
+    # NVIDIA GPUs return the canonical NaN (0x7FFFFFFF, sign clear) for every NaN result
+    q = np.where(np.isnan(q), np.uint32(0x7FFFFFFF).view(np.float32), q)
     scale = (exp_bits >> np.uint32(23)).astype(np.uint8)[..., 0]
     if fmt != "mxfp4":
         dt = ml_dtypes.float8_e4m3fn if fmt == "mxfp8_e4m3" else ml_dtypes.float8_e5m2

@@ -17,25 +17,35 @@ from .constants import E2M1_MAGNITUDES, E2M1_SIGN_BIT, E8M0_BIAS
 _E2M1_BOUNDARIES = tuple((a + b) / 2 for a, b in zip(E2M1_MAGNITUDES, E2M1_MAGNITUDES[1:]))
 TIE_MODES = ("even", "down", "away")
 _LITTLE_ENDIAN = sys.byteorder == "little"
+_BITS_DTYPE = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
 def e2m1_magnitude_code(mag: torch.Tensor, ties: str = "even") -> torch.Tensor:
-    """Round non-negative values (any float dtype) to the E2M1 magnitude code 0..7, saturating.
+    """Round non-negative values (bf16/fp16/fp32) to the E2M1 magnitude code 0..7, saturating.
 
-    One comparison per boundary, accumulated in place: every boundary is exact in bf16/fp16/fp32,
-    so comparing in the input dtype is exact and no fp32 temporary is made. NaN gives 0.
+    Non-negative floats sort like their bit patterns, so each boundary test is one integer
+    comparison on the bits (vectorised for every dtype), accumulated in place into uint8; no
+    fp32 temporary is made. NaN (bits above +inf) and +inf give 7, as ``bucketize`` did.
     """
     if ties not in TIE_MODES:
         raise ValueError(f"ties must be one of {TIE_MODES}, got {ties!r}")
+    if mag.dtype not in _BITS_DTYPE:
+        mag = mag.float()
+    bits = mag.view(_BITS_DTYPE[mag.dtype])
     code = torch.zeros(mag.shape, dtype=torch.uint8, device=mag.device)
     hit = torch.empty(mag.shape, dtype=torch.bool, device=mag.device)
-    for i, bound in enumerate(_E2M1_BOUNDARIES):
+    for i, bound in enumerate(_boundary_bits(mag.dtype)):
         # At boundary i (between codes i and i+1) a tie goes up for "away", and for "even"
-        # exactly when the upper code i+1 is even.
+        # exactly when the upper code i+1 is even: then the test is >=, i.e. > bits - 1.
         up = ties == "away" or (ties == "even" and i % 2 == 1)
-        (torch.ge if up else torch.gt)(mag, bound, out=hit)
-        code += hit
+        torch.gt(bits, bound - 1 if up else bound, out=hit)
+        code += hit.view(torch.uint8)
     return code
+
+
+def _boundary_bits(dtype: torch.dtype) -> list[int]:
+    t = torch.tensor(_E2M1_BOUNDARIES, dtype=dtype)  # every boundary is exact in all three
+    return t.view(_BITS_DTYPE[dtype]).tolist()
 
 
 def e2m1_encode(v: torch.Tensor, ties: str = "even") -> torch.Tensor:
@@ -44,10 +54,10 @@ def e2m1_encode(v: torch.Tensor, ties: str = "even") -> torch.Tensor:
     Saturates at +-6. The sign bit follows ``signbit`` so -0.0 and tiny negatives give 0x8,
     as torchao and ml_dtypes do. NaN inputs are the caller's business (profiles differ).
     """
-    if not v.is_floating_point():
+    if v.dtype not in _BITS_DTYPE:
         v = v.float()
     code = e2m1_magnitude_code(v.abs(), ties)
-    code |= torch.signbit(v).to(torch.uint8) << 3
+    code.add_(torch.signbit(v).view(torch.uint8), alpha=E2M1_SIGN_BIT)
     return code
 
 

@@ -47,14 +47,13 @@ def block_amax(x_BK: torch.Tensor, prof: MXProfile) -> tuple[torch.Tensor, torch
     return amax_B, bad_B
 
 
-def _sign_bits(v: torch.Tensor, prof: MXProfile) -> torch.Tensor:
+def _negative(v: torch.Tensor, prof: MXProfile) -> torch.Tensor:
+    """Which elements get the FP4 sign bit (bool)."""
     if prof.sign == "bits":
-        neg = torch.signbit(v)
-    elif prof.sign == "negative":
-        neg = v < 0
-    else:  # "not-positive": (2 - sign(v)) // 2 is 1 for +-0.0 too
-        neg = ~(v > 0)
-    return neg.to(torch.uint8) << 3
+        return torch.signbit(v)
+    if prof.sign == "negative":
+        return v < 0
+    return ~(v > 0)  # "not-positive": (2 - sign(v)) // 2 is 1 for +-0.0 too
 
 
 def _fp4_codes(v: torch.Tensor, prof: MXProfile) -> torch.Tensor:
@@ -64,7 +63,7 @@ def _fp4_codes(v: torch.Tensor, prof: MXProfile) -> torch.Tensor:
         # only fp32 values have mantissa bits that low; bf16 never reaches this window
         lost = (mag > 0.25) & (mag <= _STICKY_EDGE)
         code = torch.where(lost, 0, code).to(torch.uint8)
-    code |= _sign_bits(v, prof)
+    code.add_(_negative(v, prof).view(torch.uint8), alpha=8)  # bool is one 0/1 byte
     return code
 
 
@@ -81,8 +80,10 @@ def _fp4_special_codes(v: torch.Tensor, prof: MXProfile) -> torch.Tensor:
         mag = ((bits + _TORCHAO_NAN_ADD + ((bits >> 22) & 1)) >> 22) & 0x7
         nan_code = mag.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
     elif prof.scale_rule == "round-up-bits":
-        # triton_kernels: exponent field 255 saturates to code 7, sign bit kept
-        nan_code = 7 | (torch.signbit(v).to(torch.uint8) << 3)
+        # triton_kernels runs on NVIDIA GPUs, whose arithmetic returns the canonical NaN
+        # 0x7FFFFFFF (sign clear) for any NaN result: exponent field 255 saturates to code 7.
+        # Seen on an H200 running the kernel source under Triton 3.6 (an off-repo check).
+        nan_code = torch.full_like(code, 7)
     else:
         # compressed-tensors and ModelOpt cast NaN to an integer (undefined in C); x86 gives 0.
         nan_code = torch.zeros_like(code)
@@ -157,7 +158,8 @@ def dequantize_mx(
             f"{spec.name}: scale shape {tuple(scale.shape)} does not match data shape "
             f"{tuple(data.shape)} (expected {(*vals.shape[:-1], k // spec.block)})"
         )
-    out_BK = _blocks(vals, spec.block) * s_B.unsqueeze(-1)
+    # vals is a fresh tensor: scale it in place (one allocation less than torchao's to_dtype)
+    out_BK = _blocks(vals, spec.block).mul_(s_B.unsqueeze(-1))
     if prof.dec_saturate:
         fmax = torch.finfo(dtype).max
         out_BK = torch.where(torch.isnan(out_BK), out_BK, out_BK.clamp(-fmax, fmax))

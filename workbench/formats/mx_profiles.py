@@ -12,6 +12,7 @@ below differ.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -178,7 +179,8 @@ def scale_byte(amax_B: torch.Tensor, spec: FormatSpec, prof: MXProfile) -> torch
         elif rule == "rceil":
             # smallest k with max * 2^k >= amax, exactly: bump when amax's mantissa exceeds
             # max's (6 = 1.5 * 2^2, 448 = 1.75 * 2^8, 57344 = 1.75 * 2^15)
-            max_mant = int(torch.tensor(spec.elem_max).view(torch.int32)) & 0x7FFFFF
+            # plain-Python bit read: a tensor .item() here would break torch.compile graphs
+            max_mant = struct.unpack("<I", struct.pack("<f", spec.elem_max))[0] & 0x7FFFFF
             k = k + (mant > max_mant).to(torch.int32)
         byte = (k + E8M0_BIAS).clamp(0, 255)
         if rule == "even-fp4":
