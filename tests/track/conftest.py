@@ -88,6 +88,15 @@ def resume_runs() -> list[dict]:
              "config": {"attempt": 2}}]
 
 
+def attempt_runs() -> list[dict]:
+    """A preempted job whose second attempt started a new wandb run (new id), same name."""
+    first = [{"step": s, "metrics": {"loss": 10.0 + s}} for s in range(1, 7)]
+    second = [{"step": s, "metrics": {"loss": 20.0 + s}} for s in range(5, 9)]
+    cfg = {"recipe": "mxfp4", "seed": 0}
+    return [{"name": "attempts", "group": "attempts", "rows": rows, "config": cfg}
+            for rows in (first, second)]
+
+
 def judge_run() -> dict:
     rows = curve_rows(scale=1.2, step_time=3.0)
     return {"name": "judged", "group": "judge", "config": {"recipe": "nvfp4"}, "rows": rows,
@@ -117,7 +126,7 @@ def write_runs(tmp: Path, runs: list[dict]) -> Path:
 @pytest.fixture(scope="session")
 def wandb_dir(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("wandb_runs")
-    runs = [exact_run(), big_run(), *resume_runs(), judge_run(), *group_runs()]
+    runs = [exact_run(), big_run(), *resume_runs(), *attempt_runs(), judge_run(), *group_runs()]
     return write_runs(tmp, runs)
 
 

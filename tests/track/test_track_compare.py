@@ -122,3 +122,15 @@ def test_runs_table(metrics_dir):
     assert t.loc["nan-s0", "last_step"] == N_STEPS - 1 and t.loc["mxfp4-s1", "seed"] == 1
     assert math.isnan(t.loc["nan-s0", "loss"])
     assert t.loc["nan-s0", "val_loss"] == rows["nan-s0"]["rows"][24]["metrics"]["val_loss"]
+
+
+def test_attempts_with_new_wandb_ids_merge_into_one_run(wandb_dir):
+    from workbench.track import find_runs
+
+    assert len({r.id for r in find_runs(wandb_dir, group="attempts")}) == 2
+    (run,) = load_runs(wandb_dir, group="attempts")
+    # steps 1-4 from the first attempt, 5-8 redone by the second
+    assert list(run.metrics["step"]) == list(range(1, 9))
+    assert list(run.metrics["loss"]) == [10.0 + s for s in range(1, 5)] + \
+        [20.0 + s for s in range(5, 9)]
+    assert len(run.source.split(";")) == 2

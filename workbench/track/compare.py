@@ -73,17 +73,18 @@ def load_run_folder(folder: str | Path) -> RunData:
 def load_runs(path: str | Path, group: str | None = None,
               source: Literal["auto", "wandb", "metrics"] = "auto") -> list[RunData]:
     """Every run under `path`. `source="auto"` reads wandb offline runs when there are any
-    (they carry config and summary), else the trainer's metrics.jsonl folders."""
+    (they carry config and summary), else the trainer's metrics.jsonl folders. wandb runs of
+    one folder with the same group and name are attempts at one run and are merged."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such run-group folder")
     if source in ("auto", "wandb"):
-        from workbench.track.offline import find_runs, run_files
+        from workbench.track.offline import run_files
 
         if run_files(p):
             return [RunData(name=r.name, metrics=as_metrics(r), config=r.config,
                             summary=r.summary, source=";".join(r.paths))
-                    for r in find_runs(p, group=group)]
+                    for r in _wandb_runs(p, group)]
         if source == "wandb":
             raise FileNotFoundError(f"{p}: no wandb run files (run-*.wandb) under this folder")
     runs = [load_run_folder(f.parent) for f in sorted(p.rglob(METRICS_FILE))]
@@ -92,6 +93,19 @@ def load_runs(path: str | Path, group: str | None = None,
     if not runs:
         raise FileNotFoundError(f"{p}: no runs (no run-*.wandb and no {METRICS_FILE}) found")
     return runs
+
+
+def _wandb_runs(path: Path, group: str | None):
+    from workbench.track.offline import find_runs, merge_segments
+
+    # The trainer logs to <run folder>/wandb/. A resumed job may start a new wandb run (new
+    # id) in the same folder under the same name and group: those are attempts at one run.
+    attempts: dict[tuple[str, str, str], list] = {}
+    for r in find_runs(path, group=group):
+        folder = str(Path(r.paths[0]).parents[2])  # <folder>/wandb/offline-run-*/run-*.wandb
+        attempts.setdefault((folder, r.group, r.name), []).append(r)
+    runs = [merge_segments(a) for a in attempts.values()]
+    return sorted(runs, key=lambda r: r.start_time)
 
 
 def pick_baseline(run: RunData, runs: Sequence[RunData]) -> RunData | None:

@@ -24,7 +24,8 @@ from workbench.track.wandb_file import CorruptRunFile, scan_records
 
 TESTED_WANDB = "0.31."
 
-__all__ = ["CorruptRunFile", "OfflineRun", "find_runs", "read_run", "run_files"]
+__all__ = ["CorruptRunFile", "OfflineRun", "find_runs", "merge_segments", "read_run",
+           "run_files"]
 
 
 @dataclass
@@ -93,9 +94,17 @@ def find_runs(wandb_dir: str | Path, group: str | None = None) -> list[OfflineRu
         seg = _decode(f)
         if group is None or seg.group == group:
             segments.setdefault(seg.id, []).append(seg)
-    runs = [_merge(sorted(segs, key=lambda s: (s.start_time, s.paths)))
-            for segs in segments.values()]
+    runs = [merge_segments(segs) for segs in segments.values()]
     return sorted(runs, key=lambda r: r.start_time)
+
+
+def merge_segments(segments: list[OfflineRun]) -> OfflineRun:
+    """One run from several attempts at it (oldest first by start time): each attempt's
+    history is cut at the first step the next attempt logged; config and summary are updated
+    in order; id, name and exit code are the newest attempt's."""
+    if not segments:
+        raise ValueError("merge_segments: no segments given")
+    return _merge(sorted(segments, key=lambda s: (s.start_time, s.paths)))
 
 
 def _key(item) -> tuple[str, ...]:
