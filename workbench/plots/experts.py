@@ -184,6 +184,7 @@ def worst_experts(df: "pd.DataFrame", metric: str = "rel_err", *, n: int = 10,
     ax.barh(range(len(top))[::-1], top[metric].to_numpy(), color="C3")
     ax.set_yticks(range(len(top))[::-1])
     ax.set_yticklabels(labels)
+    ax.set_ylabel("layer, expert, projection")
     ax.set_xlabel(_label(metric))
     ax.set_title(f"worst {len(top)} expert weights: {recipe or d.recipe.iloc[0] if len(d) else ''}")
     return fig
