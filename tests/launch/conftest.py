@@ -27,7 +27,8 @@ def slurm_cluster() -> str:
     if not Path("/etc/debian_version").is_file():
         give_up(f"the local Slurm cluster needs Debian ({CLUSTER_SCRIPT} uses apt packages)")
     try:
-        proc = subprocess.run([str(CLUSTER_SCRIPT)], capture_output=True, text=True, timeout=900)
+        proc = subprocess.run([str(CLUSTER_SCRIPT)], capture_output=True, text=True, timeout=900,
+                              check=False)
     except subprocess.TimeoutExpired as e:
         give_up(f"{CLUSTER_SCRIPT} did not finish in 900 s:\n{e.stdout}\n{e.stderr}")
     ready = [ln for ln in proc.stdout.splitlines() if ln.startswith("local-cluster: ready")]

@@ -27,20 +27,20 @@ def test_tasks_per_node_derived(ep, nodes, tpn):
 
 
 @pytest.mark.parametrize("kwargs,words", [
-    (dict(ep=6, nodes=4, executor="slurm"), "split evenly"),
-    (dict(ep=8, nodes=2, tasks_per_node=2, executor="slurm"), "world size"),
-    (dict(ep=8, nodes=2), "executor='local'"),
-    (dict(ep=4, gpus_per_node=2), "own GPU"),
-    (dict(executor="pbs"), "executor"),
-    (dict(wandb="yes"), "wandb"),
-    (dict(steps=0), "steps"),
-    (dict(steps=True), "steps"),
-    (dict(recipe="bf16", profile="rceil"), "quantized recipe"),
-    (dict(export="gguf"), "export"),
-    (dict(recipe="mx fp4"), "recipe"),
-    (dict(target="not a path"), "target"),
-    (dict(trainer_args="--resume"), "trainer_args"),
-    (dict(sbatch=["qos"]), "sbatch"),
+    ({"ep": 6, "nodes": 4, "executor": "slurm"}, "split evenly"),
+    ({"ep": 8, "nodes": 2, "tasks_per_node": 2, "executor": "slurm"}, "world size"),
+    ({"ep": 8, "nodes": 2}, "executor='local'"),
+    ({"ep": 4, "gpus_per_node": 2}, "own GPU"),
+    ({"executor": "pbs"}, "executor"),
+    ({"wandb": "yes"}, "wandb"),
+    ({"steps": 0}, "steps"),
+    ({"steps": True}, "steps"),
+    ({"recipe": "bf16", "profile": "rceil"}, "quantized recipe"),
+    ({"export": "gguf"}, "export"),
+    ({"recipe": "mx fp4"}, "recipe"),
+    ({"target": "not a path"}, "target"),
+    ({"trainer_args": "--resume"}, "trainer_args"),
+    ({"sbatch": ["qos"]}, "sbatch"),
 ])
 def test_bad_specs_raise_typed_errors(kwargs, words):
     with pytest.raises(LaunchSpecError, match=words):

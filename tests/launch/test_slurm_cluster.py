@@ -6,7 +6,6 @@ import subprocess
 import time
 
 import pytest
-
 from conftest import CLUSTER_SCRIPT
 
 pytestmark = pytest.mark.slurm
@@ -36,3 +35,13 @@ def test_second_start_is_a_quick_no_op(slurm_cluster):
     assert out.stdout.strip().startswith("local-cluster: ready")
     assert time.monotonic() - t < 10
     assert "UP" in ctld and "UP" in _run("scontrol", "ping")
+
+
+def test_scripts_refuse_non_root_with_a_clear_message():
+    if subprocess.run(["id", "-u"], capture_output=True, text=True, check=True).stdout.strip() != "0":
+        pytest.skip("needs root to switch to an unprivileged user")
+    for script in (CLUSTER_SCRIPT, CLUSTER_SCRIPT.with_name("stop-local-cluster.sh")):
+        out = subprocess.run(["runuser", "-u", "nobody", "--", str(script)], capture_output=True,
+                             text=True, timeout=30, check=False)
+        assert out.returncode != 0
+        assert "must run as root" in out.stderr

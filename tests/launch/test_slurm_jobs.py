@@ -79,7 +79,7 @@ def test_preempted_job_resumes_with_a_continuous_curve(slurm_cluster, targets_pa
     while len(job.metrics()) < 4:
         assert time.monotonic() < end and job.state in {"PENDING", "RUNNING"}, job.log_tail(30)
         time.sleep(0.3)
-    job.interrupt()  # what submitit's job._interrupt() sends: SIGTERM, then USR2, to every task
+    job._job._interrupt()  # submitit's own preemption simulation: SIGTERM, then USR2, to every task
     assert job.wait(timeout=WAIT_S) == "COMPLETED", job.log_tail(30)
     res = job.result()
     df = job.metrics()

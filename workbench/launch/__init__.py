@@ -8,7 +8,7 @@
 `submitit` (extra `launch`) is imported only when a job is submitted or inspected.
 """
 
-from .handle import JobFailedError, JobHandle, LaunchError, TERMINAL
+from .handle import TERMINAL, JobFailedError, JobHandle, LaunchError
 from .metrics import read_metrics
 from .spec import LaunchSpec, LaunchSpecError, ep4, ep8, local
 from .submit import make_executor, submit, sweep
@@ -16,6 +16,22 @@ from .watch import curves, status, watch
 
 attach = JobHandle.attach
 
-__all__ = ["LaunchSpec", "LaunchSpecError", "JobHandle", "JobFailedError", "LaunchError",
-           "TERMINAL", "attach", "ep4", "ep8", "local", "make_executor",
-           "read_metrics", "submit", "sweep", "curves", "status", "watch"]
+__all__ = [
+           "TERMINAL",
+           "JobFailedError",
+           "JobHandle",
+           "LaunchError",
+           "LaunchSpec",
+           "LaunchSpecError",
+           "attach",
+           "curves",
+           "ep4",
+           "ep8",
+           "local",
+           "make_executor",
+           "read_metrics",
+           "status",
+           "submit",
+           "sweep",
+           "watch",
+]

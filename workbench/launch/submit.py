@@ -95,9 +95,9 @@ def make_executor(spec: LaunchSpec, submitit_folder: Path):
     setup = [f"export {k}={shlex.quote(v)}" for k, v in _job_env(spec).items()]
     ex = submitit.SlurmExecutor(folder=submitit_folder, python=shlex.quote(sys.executable),
                                 max_num_timeout=spec.max_requeues)
-    params = dict(job_name=f"wb-{spec.name}", nodes=spec.nodes, ntasks_per_node=spec.tasks_per_node,
-                  cpus_per_task=spec.cpus_per_task, time=spec.time_min, setup=setup,
-                  signal_delay_s=SIGNAL_DELAY_S)
+    params = {"job_name": f"wb-{spec.name}", "nodes": spec.nodes, "ntasks_per_node": spec.tasks_per_node,
+                  "cpus_per_task": spec.cpus_per_task, "time": spec.time_min, "setup": setup,
+                  "signal_delay_s": SIGNAL_DELAY_S}
     if spec.gpus_per_node:
         params["gpus_per_node"] = spec.gpus_per_node
     if spec.partition:
@@ -125,7 +125,7 @@ def _prepare_run_folder(spec: LaunchSpec, run_folder: Path) -> None:
 def _handle(spec: LaunchSpec, run_folder: Path, submitit_folder: Path, job) -> JobHandle:
     record = {"format": FORMAT, "executor": spec.executor, "job_id": str(job.job_id),
               "run_folder": str(run_folder), "submitit_folder": str(submitit_folder),
-              "submitted_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+              "submitted_at": _dt.datetime.now(_dt.UTC).isoformat(),
               "spec": dataclasses.replace(spec, folder=run_folder).to_json()}
     handle = JobHandle(run_folder, record, submitit_job=job)
     handle._save()
