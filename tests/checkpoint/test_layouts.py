@@ -340,3 +340,41 @@ def test_gpt_oss_byte_255_decodes_like_transformers(tmp_path):
     got, want = _gpt_oss_specials(tmp_path, [255, 128])
     same = (got == want) | (got.isnan() & want.isnan())
     assert same.all()
+
+
+def test_megatron_sequential_and_single_file_grouped_naming(tmp_path):
+    from safetensors.torch import save_file
+
+    from writers import gen
+
+    F, H = 8, 32
+    seq = tmp_path / "seq"
+    seq.mkdir()
+    for r in range(2):  # per-rank files, SequentialMLP local experts + a shared expert
+        t = {}
+        for k in range(3):
+            p = f"decoder.layers.0.mlp.experts.local_experts.{k}"
+            t[f"{p}.linear_fc1.weight"] = gen((2 * F, H), seed=10 * r + k)
+            t[f"{p}.linear_fc2.weight"] = gen((H, F), seed=100 + 10 * r + k)
+        t["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"] = gen((2 * F, H), seed=7)
+        t["decoder.layers.0.mlp.shared_experts.linear_fc2.weight"] = gen((H, F), seed=8)
+        save_file(t, str(seq / f"ep_rank_{r:02d}.safetensors"))
+    ck = open_checkpoint(seq)
+    assert ck.num_experts(0) == 6
+    assert torch.equal(ck.expert_weight(0, 4, "up").materialize(), gen((2 * F, H), seed=11)[F:])
+    assert torch.equal(ck.expert_weight(0, 5, "down").materialize(), gen((H, F), seed=112))
+    shared = ck.expert_records("shared")
+    assert [(r.expert, r.proj) for r in shared] == [(0, "gate"), (0, "up"), (0, "down")]
+    assert torch.equal(ck.expert_weight(0, 0, "up", kind="shared").materialize(),
+                       gen((2 * F, H), seed=7)[F:])
+
+    one = tmp_path / "hy3"
+    one.mkdir()
+    t = {f"model.layers.3.mlp.experts.fc1.weight{k}": gen((2 * F, H), seed=k) for k in range(4)}
+    t.update({f"model.layers.3.mlp.experts.fc2.weight{k}": gen((H, F), seed=50 + k)
+              for k in range(4)})
+    save_file(t, str(one / "model.safetensors"))
+    ck = open_checkpoint(one)
+    assert [r.layer for r in ck.experts()] == [3] * 12 and ck.num_experts(3) == 4
+    assert torch.equal(ck.expert_weight(3, 2, "gate").materialize(), gen((2 * F, H), seed=2)[:F])
+    assert torch.equal(ck.stacked_experts(3, "down")[3], gen((H, F), seed=53))
