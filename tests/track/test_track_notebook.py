@@ -14,8 +14,8 @@ import pytest
 from conftest import REPO, wandb_env
 
 from workbench.track import (
-    FakeQuantShare, LossFinite, NoDivergence, StepTimeRatio, ValLossWithin, as_metrics, compare,
-    find_runs, read_metrics,
+    FakeQuantShare, LossFinite, NoDivergence, StepTimeRatio, ValLossWithin, compare, find_runs,
+    load_runs, read_metrics,
 )
 
 pytestmark = pytest.mark.slow
@@ -25,13 +25,31 @@ RUNS = ("bf16", "mxfp4")
 @pytest.fixture(scope="module")
 def group_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("trained")
-    # One process trains both runs (the tiny preset, 6 steps): wandb state stays out of pytest.
+    # One process trains both runs (tiny preset, 6 steps); the QAT run is preempted (SIGUSR2,
+    # the signal Slurm/submitit send) once it has logged a step, then resumed.
     code = textwrap.dedent(f"""
+        import os, pathlib, signal, threading, time
         from workbench.train.cli import main
-        for recipe in {RUNS!r}:
-            main(["--preset", "tiny", "--recipe", recipe, "--steps", "6", "--val-every", "3",
-                  "--out", {str(root)!r} + "/" + recipe, "--wandb", "offline",
-                  "--run-group", "nb"])
+
+        def args(recipe):
+            return ["--preset", "tiny", "--recipe", recipe, "--steps", "6", "--val-every", "3",
+                    "--out", {str(root)!r} + "/" + recipe, "--wandb", "offline",
+                    "--run-group", "nb"]
+
+        main(args("bf16"))
+
+        def preempt():
+            f = pathlib.Path({str(root)!r}) / "mxfp4" / "metrics.jsonl"
+            while not (f.exists() and f.read_text().count("\\n") >= 1):
+                time.sleep(0.02)
+            os.kill(os.getpid(), signal.SIGUSR2)
+
+        threading.Thread(target=preempt, daemon=True).start()
+        first = main(args("mxfp4"))
+        assert first["stopped"] and first["step"] < 6, first
+        second = main(args("mxfp4") + ["--resume"])
+        assert not second["stopped"] and second["step"] == 6, second
+        print("stopped at", first["step"])
     """)
     proc = subprocess.run([sys.executable, "-c", code], env=wandb_env(root), cwd=REPO,
                           capture_output=True, text=True, timeout=560)
@@ -40,11 +58,12 @@ def group_dir(tmp_path_factory):
 
 
 def test_trainer_wandb_history_equals_metrics_jsonl(group_dir):
-    for name in RUNS:
-        (run,) = find_runs(group_dir / name)
-        assert run.group == "nb" and run.config["recipe"] == name and run.finished
-        from_wandb, from_jsonl = as_metrics(run), read_metrics(group_dir / name)
-        assert len(from_jsonl) == 6
+    attempts = {name: find_runs(group_dir / name) for name in RUNS}
+    assert len(attempts["bf16"]) == 1 and len(attempts["mxfp4"]) == 2  # preempted once
+    for run in load_runs(group_dir, group="nb"):
+        assert run.config["recipe"] == run.name
+        from_wandb, from_jsonl = run.metrics, read_metrics(group_dir / run.name)
+        assert list(from_jsonl["step"]) == list(range(1, 7))
         cols = [c for c in from_jsonl.columns]
         assert set(cols) <= set(from_wandb.columns)
         pd.testing.assert_frame_equal(from_wandb[cols], from_jsonl[cols], check_dtype=False)
