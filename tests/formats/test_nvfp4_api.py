@@ -108,6 +108,9 @@ def test_global_amax_shapes():
     x = gaussian((2, 8, 32), seed=26)
     for ok in (torch.tensor(3.0), torch.tensor([3.0]), 3.0, torch.ones(2, 1, 1)):
         quantize_nvfp4_parts(x, "torchao", ok)
+    one = quantize_nvfp4_parts(x[:1], "torchao", torch.ones(1, 1, 1))
+    assert one.global_scale.shape == (1, 1, 1)  # a one-expert stack keeps its expert dim
+    assert quantize_nvfp4_parts(x[0], "torchao", torch.ones(1)).global_scale.shape == ()
     with pytest.raises(ValueError, match=r"scalar or shape \[2, 1, 1\].*got shape \[2\]"):
         quantize_nvfp4_parts(x, "torchao", torch.ones(2))
     with pytest.raises(ValueError, match=r"got shape \[3, 1, 1\]"):

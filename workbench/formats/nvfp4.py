@@ -99,11 +99,11 @@ def _resolve_amax(x: Tensor, global_amax: Tensor | float | None, prof: NVFP4Prof
     if global_amax is None:
         return prof.amax(x.float())
     a = torch.as_tensor(global_amax, dtype=torch.float32, device=x.device)
-    if a.numel() == 1:
-        return a.reshape(())
     per_expert = (x.shape[0],) + (1,) * (x.dim() - 1)
     if x.dim() >= 2 and tuple(a.shape) == per_expert:
-        return a
+        return a  # kept even for E == 1, so callers can index experts uniformly
+    if a.numel() == 1:
+        return a.reshape(())
     raise ValueError(
         f"global_amax must be a scalar or shape {list(per_expert)} (one per leading index) for an "
         f"input of shape {list(x.shape)}, got shape {list(a.shape)}"
