@@ -229,14 +229,18 @@ class QuantScope:
         lines = [f"QuantScope {self.label!r}: {len(q)} of {len(rows)} tensors quantized"]
         by = {}
         for r in rows:
-            key = (r["quantized"], r["recipe"], r["target"] or r["ignored_by"] or "-")
-            by.setdefault(key, []).append(r["name"])
+            if r["quantized"]:
+                why = f"target {r['target']!r}" if r["target"] else r["reason"]
+            elif r["ignored_by"]:
+                why = f"ignore {r['ignored_by']!r}"
+            else:
+                why = "no target" if r["reason"].startswith("no target") else r["reason"]
+            by.setdefault((r["quantized"], r["recipe"], why), []).append(r["name"])
         for (isq, rec, why), ns in sorted(by.items(), key=lambda kv: -len(kv[1])):
             state = f"quantized {rec}" if isq else "kept"
-            lines.append(f"  {len(ns):6d}  {state:24s} via {why}  e.g. {ns[0]}")
-        shown = [r for r in rows][:max_rows]
+            lines.append(f"  {len(ns):6d}  {state:20s} {why}  (e.g. {ns[0]})")
         if len(rows) <= max_rows:
-            lines += [f"    {r['name']}: {r['reason']}" for r in shown]
+            lines += [f"    {r['name']}: {r['reason']}" for r in rows]
         return "\n".join(lines)
 
     def __repr__(self) -> str:
