@@ -164,3 +164,16 @@ def test_triton_kernels_truncated_sticky_window():
     assert torch.equal(q.data, data), first_difference(q.data, data)
     # and the window really is there: RNE (rceil) rounds every one of them up to 0.5
     assert not torch.equal(quantize(x, "mxfp4", "rceil").data, data)
+
+
+def test_modelopt_sign_of_values_that_underflow_bf16_but_not_fp32():
+    """ModelOpt divides in fp32: a tiny positive element (2^-138 after scaling) stays > 0 there and
+    keeps sign bit 0, while a bf16 product would flush it to +0.0, which ModelOpt encodes 0x8."""
+    x = torch.zeros(1, 32, dtype=torch.bfloat16)
+    x[0, 0] = 2.0**100
+    x[0, 1] = 2.0**-40
+    x[0, 2] = -(2.0**-40)
+    data, scale = modelopt_oracle(x, "mxfp4")
+    q = quantize(x, "mxfp4", "modelopt-export")
+    assert torch.equal(q.scale, scale) and torch.equal(q.data, data), first_difference(q.data, data)
+    assert data[0, 0] >> 4 == 0x0 and data[0, 1] & 0xF == 0x8

@@ -12,6 +12,7 @@ below differ.
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 
@@ -202,6 +203,14 @@ def scale_byte(amax_B: torch.Tensor, spec: FormatSpec, prof: MXProfile) -> torch
     if prof.nan_byte is not None:
         byte = torch.where(torch.isnan(raw_B), prof.nan_byte, byte)
     return byte.to(torch.uint8)
+
+
+@functools.lru_cache(maxsize=64)
+def cached_lut(kind: str, profile: str, device: str, dtype: torch.dtype) -> torch.Tensor:
+    """``encode_multipliers`` / ``decode_scales`` of a profile, built once per device and dtype
+    (read-only: callers only index it)."""
+    build = {"encode": encode_multipliers, "decode": decode_scales}[kind]
+    return build(PROFILES[profile]).to(device=device, dtype=dtype)
 
 
 def encode_multipliers(prof: MXProfile) -> torch.Tensor:
