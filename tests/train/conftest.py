@@ -50,12 +50,12 @@ def reference_runs(tmp_path_factory):
     """Uninterrupted runs, cached per (world size, recipe, steps): the oracles for EP and resume."""
     cache: dict[tuple, list[dict]] = {}
 
-    def get(nproc: int, recipe: str, steps: int) -> list[dict]:
-        key = (nproc, recipe, steps)
+    def get(nproc: int, recipe: str, steps: int, batch: int = 4) -> list[dict]:
+        key = (nproc, recipe, steps, batch)
         if key not in cache:
             out = tmp_path_factory.mktemp(f"ref_w{nproc}_{recipe.replace('+', '_')}_{steps}")
             run(nproc, [*TINY, "--recipe", recipe, "--steps", str(steps), "--out", str(out),
-                        "--ckpt-every", "0", "--val-every", "0"])
+                        "--ckpt-every", "0", "--val-every", "0", "--batch", str(batch)])
             cache[key] = metrics(out)
         return cache[key]
 

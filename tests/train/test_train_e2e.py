@@ -59,10 +59,13 @@ def test_world1_qat_recipes_change_the_loss_a_little(reference_runs):
 @pytest.mark.distributed
 @pytest.mark.parametrize("nproc, recipe", [(2, "bf16"), (2, "mxfp4"),
                                            pytest.param(4, "mxfp4+mxfp8", marks=pytest.mark.slow),
-                                           pytest.param(4, "bf16", marks=pytest.mark.slow)])
+                                           pytest.param(4, "bf16", marks=pytest.mark.slow),
+                                           pytest.param(8, "mxfp4", marks=pytest.mark.slow)])
 def test_expert_parallel_matches_world1(reference_runs, nproc, recipe):
-    ref = reference_runs(1, recipe, 4)
-    ep = reference_runs(nproc, recipe, 4)
+    # EP8: tiny has 8 experts, one per rank; the global batch must hold a sequence per rank.
+    batch = 8 if nproc == 8 else 4
+    ref = reference_runs(1, recipe, 4, batch)
+    ep = reference_runs(nproc, recipe, 4, batch)
     assert [r["step"] for r in ep] == [1, 2, 3, 4]
     for a, b in zip(ref, ep):
         # same global batch, experts sharded: equal up to float summation order
@@ -86,3 +89,26 @@ def test_wandb_offline_history_equals_metrics(tmp_path):
     assert list(hist["loss"]) == [r["loss"] for r in rows]
     assert hist["val_loss"].iloc[-1] == rows[-1]["val_loss"]
     assert runs[0].config["recipe"] == "bf16" and runs[0].config["world_size"] == 1
+
+
+def test_fresh_start_refuses_a_directory_with_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    main([*TINY, "--steps", "1", "--out", str(out), "--val-every", "0"])
+    with pytest.raises(FileExistsError, match="--resume"):
+        main([*TINY, "--steps", "2", "--out", str(out), "--val-every", "0"])
+
+
+@pytest.mark.distributed
+def test_ep2_cli_run_exports_packed_checkpoint(tmp_path):
+    from workbench.checkpoint import open_checkpoint
+
+    out = tmp_path / "run"
+    run(2, [*TINY, "--recipe", "mxfp4", "--steps", "2", "--out", str(out), "--val-every", "0",
+            "--export", "compressed-tensors"])
+    result = json.loads((out / "result.json").read_text())
+    assert result["export"] == str(out / "export") and result["world_size"] == 2
+    shards = sorted(p.name for p in (out / "export").glob("*.safetensors"))
+    assert shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    ck = open_checkpoint(out / "export")
+    assert ck.layout == "compressed-tensors" and ck.num_experts(0) == 8
+    assert not list(tmp_path.glob(".tmp-*")) and not list(out.glob(".tmp-*"))

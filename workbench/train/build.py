@@ -77,9 +77,10 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig):
     return opt, sched
 
 
-def build(cfg: TrainConfig, info: DistInfo) -> Built:
+def build(cfg: TrainConfig, info: DistInfo, *, resuming: bool = False) -> Built:
+    """`resuming`: a checkpoint will overwrite every weight, so --init is not read."""
     model = build_model(cfg, info)
-    if cfg.init:
+    if cfg.init and not resuming:
         from workbench.train.init import load_init
 
         load_init(cfg.init, model, info)

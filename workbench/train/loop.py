@@ -6,6 +6,12 @@ Under expert parallelism (EP size = world size, see `workbench.train.distributed
 this same code on its slice of the global batch; `workbench.model.sync_gradients` turns the
 gradients into those of the mean of the ranks' losses, i.e. of the EP1 loss on the whole batch.
 
+Metrics: `loss` is the language-model cross-entropy, averaged over the global batch; the objective
+that is optimised adds `aux_loss_coef * aux_loss` (the load-balancing loss, logged as `aux_loss`).
+`peak_mem_gib` is the CUDA allocator peak on GPU and the process's peak RSS on CPU. The share of
+step time spent in fake quantization is not logged: the fake-quant ops run inside the grouped
+GEMM seam and cannot be timed apart without synchronising every call.
+
 Preemption seam: `request_stop()` only sets a flag (safe inside a signal handler). At every step
 boundary the ranks all-reduce it; if any rank asked, all ranks write a DCP checkpoint and
 `train` returns with `stopped=True`. Nothing else in the loop is interrupted mid-step.
@@ -126,16 +132,21 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
 
     cfg.check_world(info.world)
     out = Path(cfg.out)
+    if not cfg.resume and ckpt.list_complete(out):
+        # A later --resume would pick the old run's newest checkpoint over this run's.
+        raise FileExistsError(f"{out} already holds checkpoints of a run "
+                              f"(newest step {ckpt.list_complete(out)[-1].step}); pass --resume "
+                              "to continue it, or choose a new --out")
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
     barrier(info)
     torch.manual_seed(cfg.seed + info.rank)
-    b = build(cfg, info)
+    found = ckpt.newest_complete(out) if cfg.resume else None
+    b = build(cfg, info, resuming=found is not None)
     model, opt, sched = b.model, b.opt, b.sched
     corpus = load_corpus()
 
     start = 0
-    found = ckpt.newest_complete(out) if cfg.resume else None
     if found is not None:
         start = ckpt.load(found, model, opt, sched, info)
         if info.is_main:
