@@ -11,8 +11,15 @@ import pytest
 from conftest import N_STEPS, curve_rows, find_group_run
 
 from workbench.track import (
-    FakeQuantShare, LossFinite, NoDivergence, PeakMemory, StepTimeRatio, TokensPerSecRatio,
-    ValLossWithin, check, default_budgets,
+    FakeQuantShare,
+    LossFinite,
+    NoDivergence,
+    PeakMemory,
+    StepTimeRatio,
+    TokensPerSecRatio,
+    ValLossWithin,
+    check,
+    default_budgets,
 )
 
 

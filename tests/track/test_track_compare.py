@@ -10,8 +10,13 @@ import pytest
 from conftest import N_STEPS, group_runs
 
 from workbench.track import BadMetricsFile, as_metrics, compare, load_runs, read_metrics
-from workbench.track.budgets import FakeQuantShare, LossFinite, NoDivergence, StepTimeRatio
-from workbench.track.budgets import ValLossWithin
+from workbench.track.budgets import (
+    FakeQuantShare,
+    LossFinite,
+    NoDivergence,
+    StepTimeRatio,
+    ValLossWithin,
+)
 
 BUDGETS = (ValLossWithin(2.0), LossFinite(), NoDivergence(window=5, factor=1.5),
            StepTimeRatio(2.0), FakeQuantShare(0.5))
@@ -31,8 +36,7 @@ def metrics_dir(tmp_path_factory):
         d = root / run["name"]
         d.mkdir()
         with open(d / "metrics.jsonl", "w") as f:
-            for r in run["rows"]:
-                f.write(json.dumps({"step": r["step"], **r["metrics"]}) + "\n")
+            f.writelines(json.dumps({"step": r["step"], **r["metrics"]}) + "\n" for r in run["rows"])
         (d / "config.json").write_text(json.dumps({**run["config"], "run_group": "cmp"}))
     return root
 

@@ -17,7 +17,8 @@ def _run(code: str, tmp_path) -> dict:
     env = wandb_env(tmp_path)
     env["HOME"] = str(tmp_path)  # no ~/.netrc with a real API key
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
-                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -6,6 +6,7 @@ import math
 import shutil
 import struct
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -151,7 +152,7 @@ def test_truncated_file_reads_prefix(wandb_dir, tmp_path):
 
 def test_crc_is_plain_crc32_over_type_and_data(wandb_dir):
     # Independent re-derivation of the framing for the first record.
-    data = open(_one(wandb_dir, "exact").paths[0], "rb").read()
+    data = Path(_one(wandb_dir, "exact").paths[0]).read_bytes()
     assert data[:7] == b":W&B" + struct.pack("<H", 0xBEE1) + b"\x00"
     crc, length, rtype = struct.unpack_from("<IHB", data, 7)
     assert rtype in (1, 2) and zlib.crc32(bytes([rtype]) + data[14:14 + length]) == crc
@@ -166,13 +167,12 @@ def test_read_run_errors(tmp_path):
 
 @pytest.mark.slow
 def test_live_run_is_readable_while_written(tmp_path):
+    import json
     import subprocess
     import sys
     import time
 
     from conftest import WRITER, wandb_env
-
-    import json
     hold = tmp_path / "release"
     rows = [{"step": s, "metrics": {"loss": 1.0 / (s + 1)}} for s in range(30)]
     spec = tmp_path / "spec.json"

@@ -68,7 +68,7 @@ def test_plot_budgets_table():
     t = fig.axes[0].tables[0]
     cells = t.get_celld()
     texts = {(r, c): cell.get_text().get_text() for (r, c), cell in cells.items()}
-    passed_col = [c for (r, c), s in texts.items() if r == 0 and s == "passed"][0]
+    passed_col = next(c for (r, c), s in texts.items() if r == 0 and s == "passed")
     assert [texts[(i, passed_col)] for i in (1, 2, 3)] == ["FAIL", "PASS", "pending"]
     assert cells[(1, 0)].get_facecolor()[:3] == pytest.approx(matplotlib.colors.to_rgb("#ffcdd2"))
     assert _png(fig)[:4] == b"\x89PNG"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pandas as pd
 
@@ -19,7 +20,7 @@ def main(spec_path: str) -> None:
     from workbench.track import BudgetWatch, make_logger
     from workbench.track.budgets import StepTimeRatio, ValLossWithin
 
-    spec = json.loads(open(spec_path).read())
+    spec = json.loads(Path(spec_path).read_text())
     for run in spec["runs"]:
         extra = {"run_id": run["id"]} if run.get("id") else {}
         logger = make_logger("offline", 0, project="wb-tests", group=run.get("group"),

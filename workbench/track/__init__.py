@@ -5,12 +5,28 @@ Importing this package imports pandas but never wandb or matplotlib; those load 
 """
 
 from workbench.track.budgets import (
-    Budget, BudgetWatch, FakeQuantShare, LossFinite, NoDivergence, PeakMemory, StepTimeRatio,
-    TokensPerSecRatio, ValLossWithin, Verdict, check, default_budgets, publish,
+    Budget,
+    BudgetWatch,
+    FakeQuantShare,
+    LossFinite,
+    NoDivergence,
+    PeakMemory,
+    StepTimeRatio,
+    TokensPerSecRatio,
+    ValLossWithin,
+    Verdict,
+    check,
+    default_budgets,
+    publish,
 )
 from workbench.track.compare import Comparison, RunData, compare, load_runs, runs_table
 from workbench.track.logger import (
-    Logger, NullLogger, TrackingWarning, WandbConfig, WandbLogger, make_logger,
+    Logger,
+    NullLogger,
+    TrackingWarning,
+    WandbConfig,
+    WandbLogger,
+    make_logger,
 )
 from workbench.track.metrics import BadMetricsFile, as_metrics, read_metrics
 from workbench.track.offline import OfflineRun, find_runs, read_run

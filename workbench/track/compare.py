@@ -9,9 +9,10 @@ initialisation are the same.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import pandas as pd
 
@@ -122,21 +123,21 @@ def pick_baseline(run: RunData, runs: Sequence[RunData]) -> RunData | None:
 def runs_table(runs: Sequence[RunData]) -> pd.DataFrame:
     """One row per run: name, recipe, seed, baseline flag, last step, last loss (NaN if the
     run ended in NaN), last validation loss, and where it was read from."""
+    def last(m: pd.DataFrame, col: str, every_step: bool) -> float:
+        # loss is logged every step, so its last cell is the last value, NaN included;
+        # val_loss cells are empty between validations.
+        v = m[col] if col in m.columns else m.iloc[0:0, 0]
+        v = v if every_step else v.dropna()
+        return float(v.iloc[-1]) if len(v) else float("nan")
+
     rows = []
     for r in runs:
         m = r.metrics
 
-        def last(col: str, every_step: bool) -> float:
-            # loss is logged every step, so its last cell is the last value, NaN included;
-            # val_loss cells are empty between validations.
-            v = m[col] if col in m.columns else m.iloc[0:0, 0]
-            v = v if every_step else v.dropna()
-            return float(v.iloc[-1]) if len(v) else float("nan")
-
         rows.append({"run": r.name, "recipe": r.recipe, "seed": r.seed,
                      "baseline": r.is_baseline,
                      "last_step": int(m["step"].max()) if len(m) else None,
-                     "loss": last("loss", True), "val_loss": last("val_loss", False), "source": r.source})
+                     "loss": last(m, "loss", True), "val_loss": last(m, "val_loss", False), "source": r.source})
     return pd.DataFrame(rows)
 
 

@@ -126,7 +126,8 @@ class WandbLogger:
                 reinit="finish_previous",
                 settings=wandb.Settings(init_timeout=cfg.init_timeout_s, console=cfg.console),
             )
-        except Exception as exc:  # wandb raises many types (CommError, UsageError, timeouts)
+        # wandb.init raises many types (CommError, UsageError, timeouts): all mean "no tracking".
+        except Exception as exc:  # noqa: BLE001
             _warn(f"wandb.init failed ({type(exc).__name__}: {exc}); tracking is off")
             return NullLogger()
         return cls(run=run, _wandb=wandb)
@@ -134,7 +135,8 @@ class WandbLogger:
     def _guard(self, what: str, fn, *args, **kwargs) -> None:
         try:
             fn(*args, **kwargs)
-        except Exception as exc:  # a tracking error must never kill a training step
+        # A tracking error must never kill a training step.
+        except Exception as exc:  # noqa: BLE001
             n = self.errors.get(what, 0)
             self.errors[what] = n + 1
             if n == 0:
