@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -34,3 +35,25 @@ def test_local_cancel(targets_path, tmp_path):
     job.cancel()
     assert job.wait(timeout=60) == "CANCELLED"
     assert JobHandle.attach(job.job_id).state == "CANCELLED"
+
+
+def test_local_preemption_requeues_and_resumes(targets_path, tmp_path):
+    steps = 16
+    job = submit(_spec(targets_path, tmp_path, "counting_loop", ep=2, steps=steps,
+                       trainer_args=("--step-s", "0.3")))
+    end = time.monotonic() + 120
+    while len(job.metrics()) < 3:
+        assert time.monotonic() < end and job.state == "RUNNING", job.log_tail(30)
+        time.sleep(0.2)
+    job.interrupt()
+    assert job.wait(timeout=180) == "COMPLETED", job.log_tail(30)
+    res = job.result()
+    df = job.metrics()
+    assert df["step"].tolist() == list(range(1, steps + 1))
+    assert df["loss"].tolist() == pytest.approx([math.exp(-0.1 * s) for s in range(1, steps + 1)])
+    stopped_at = res["started_at"]
+    assert 3 <= stopped_at < steps
+    pids = df["pid"].tolist()
+    assert len(set(pids[:stopped_at])) == 1 and len(set(pids[stopped_at:])) == 1
+    assert pids[0] != pids[-1]  # the controller restarted the tasks as new processes
+    assert "requeueing job" in job.log_tail(200, rank=0)

@@ -206,11 +206,32 @@ class JobHandle:
                 pass
 
     def interrupt(self) -> None:
-        """Simulate preemption: the job checkpoints at the next step boundary and requeues."""
+        """Simulate preemption: the job checkpoints at the next step boundary, requeues itself and
+        resumes (see workbench.launch.job)."""
         if self.executor == "slurm":
             # What submitit's SlurmJob._interrupt() sends: SIGTERM (ignored by submitit) then USR2.
             _run(["scancel", self.job_id, "--signal", "SIGTERM"])
             _run(["scancel", self.job_id, "--signal", "USR2"])
-        else:
-            raise LaunchError("interrupt() needs executor='slurm': submitit's local controller "
-                              "dies on USR2 instead of forwarding it to the tasks")
+            return
+        # submitit's LocalJob._interrupt() signals its controller, which has no USR2 handler and
+        # dies; the tasks (the controller's children) are the ones that must get it.
+        tasks = _children(int(self.job_id))
+        if not tasks:
+            raise LaunchError(f"local job {self.job_id} has no running tasks to interrupt")
+        for pid in tasks:
+            try:
+                os.kill(pid, signal.SIGUSR2)
+            except ProcessLookupError:
+                pass
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
