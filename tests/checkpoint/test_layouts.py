@@ -378,3 +378,17 @@ def test_megatron_sequential_and_single_file_grouped_naming(tmp_path):
     assert [r.layer for r in ck.experts()] == [3] * 12 and ck.num_experts(3) == 4
     assert torch.equal(ck.expert_weight(3, 2, "gate").materialize(), gen((2 * F, H), seed=2)[:F])
     assert torch.equal(ck.stacked_experts(3, "down")[3], gen((H, F), seed=53))
+
+
+def test_index_handle_cache_is_bounded(ckpts):
+    from workbench.checkpoint import ShardIndex
+
+    ix = ShardIndex(ckpts["ct-int4"], max_open=1)  # three shards
+    names = sorted(ix.names())
+    files = {ix.entry(n).file for n in names}
+    assert len(files) == 3
+    for n in names[:6]:
+        assert ix.read(n).shape == ix.entry(n).shape
+        assert len(ix._handles) == 1
+    assert ix.stats.requests == 6
+    assert ix.stats.bytes_read == sum(ix.entry(n).nbytes for n in names[:6])
