@@ -58,14 +58,18 @@ def grouped_mm(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor, *,
     # A loop over experts is the readable reference and is exact on CPU. torch._grouped_mm runs
     # on CPU in torch 2.13 but its backward rejects expanded (stride-0) gradients such as the
     # one from `y.sum()`, and it leaves rows past offs[-1] uninitialised.
-    pieces_TO = []
-    start = 0
-    for e, end in enumerate(ends):
-        pieces_TO.append(x_TI[start:end] @ w_EOI[e].transpose(0, 1))
+    # split/unbind (not x[a:b] / w[e]): their backward is one concatenation, whereas per-expert
+    # slicing materialises a full-size zero gradient per expert (quadratic in E: 22x slower
+    # backward at E=128 on CPU, measured by the model work).
+    start, counts = 0, []
+    for end in ends:
+        counts.append(end - start)
         start = end
     tail = x_TI.shape[0] - start
+    if w_EOI.shape[0] == 0:
+        return x_TI.new_zeros(x_TI.shape[0], w_EOI.shape[1])
+    x_parts = x_TI.split(counts + [tail], dim=0)
+    pieces_TO = [x_e @ w_e.transpose(0, 1) for x_e, w_e in zip(x_parts, w_EOI.unbind(0))]
     if tail:
         pieces_TO.append(x_TI.new_zeros(tail, w_EOI.shape[1]))
-    if not pieces_TO:
-        return x_TI.new_zeros(x_TI.shape[0], w_EOI.shape[1])
     return torch.cat(pieces_TO, dim=0)
