@@ -38,6 +38,7 @@ def _args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--step-s", type=float, default=0.0)
+    p.add_argument("--start-s", type=float, default=0.0)
     args, _ = p.parse_known_args(argv)
     return args
 
@@ -68,9 +69,14 @@ def sleeper(argv):
 
 def counting_loop(argv):
     """A toy distributed 'training' loop with checkpoint/resume and a continuous curve."""
+    global _STOP
     a = _args(argv)
     rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(a.out)
+    if a.start_s:  # a slow start-up that resets the stop flag at its end, as the trainer's main does
+        (out / f"starting{rank}").write_text("")
+        time.sleep(a.start_s)
+        _STOP = False
     ckpt = out / "ckpt"
     start = 0
     if a.resume and (ckpt / "complete").is_file():

@@ -57,3 +57,19 @@ def test_local_preemption_requeues_and_resumes(targets_path, tmp_path):
     assert len(set(pids[:stopped_at])) == 1 and len(set(pids[stopped_at:])) == 1
     assert pids[0] != pids[-1]  # the controller restarted the tasks as new processes
     assert "requeueing job" in job.log_tail(200, rank=0)
+
+
+def test_stop_during_start_up_is_not_lost(targets_path, tmp_path):
+    """USR2 while the target is still starting (and then resets its flag, as the trainer's main
+    does) must still stop the run at its first step boundary and requeue it."""
+    job = submit(_spec(targets_path, tmp_path, "counting_loop", ep=2, steps=6,
+                       trainer_args=("--start-s", "4", "--step-s", "0.2")))
+    end = time.monotonic() + 120
+    while not all((job.folder / f"starting{r}").exists() for r in (0, 1)):
+        assert time.monotonic() < end and job.state == "RUNNING", job.log_tail(30)
+        time.sleep(0.1)
+    job.interrupt()
+    assert job.wait(timeout=180) == "COMPLETED", job.log_tail(30)
+    log = job.log_tail(200, rank=0)
+    assert "requeueing job" in log and "resume=True" in log, log
+    assert job.metrics()["step"].tolist() == list(range(1, 7))

@@ -17,6 +17,8 @@ Preemption and time limits, designed against submitit 1.5.4's sources
   checkpoint.
 * So `__call__` replaces (only) the SIGUSR2 handler with one that calls `stop_hook()`
   (`workbench.train.loop.request_stop`), which merely sets a flag: safe in a signal handler.
+  The request is latched: a helper thread re-asserts it every 0.5 s until the target returns,
+  because the trainer resets its flag while starting up and the signal may come before that.
   Slurm delivers `scancel --signal=USR2` (what `job._interrupt()` sends) and the `--signal=USR2@90`
   warning before the time limit to every task; one rank receiving it is enough, because the trainer
   all-reduces the flag at each step boundary. All ranks then save a DCP checkpoint and the trainer
@@ -52,6 +54,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -83,6 +86,34 @@ def _write_json_atomic(path: Path, obj: object) -> None:
     os.replace(tmp, path)
 
 
+class _LatchedStop:
+    """Level-triggered stop request. The signal handler calls the hook once; after that a
+    daemon thread calls it again every `every_s` until the target returns, because a target may
+    reset its flag while starting up (the trainer's `main` calls `clear_stop()` after building its
+    config), and a preemption signal that arrives during a long start-up must not be lost."""
+
+    def __init__(self, hook: Callable[[], object], every_s: float = 0.5):
+        self._hook, self._every_s = hook, every_s
+        self._seen = threading.Event()
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def on_signal(self, signum, frame) -> None:
+        self._hook()  # only sets a flag; safe in a signal handler
+        if not self._seen.is_set():
+            self._seen.set()
+            self._thread = threading.Thread(target=self._reassert, name="workbench-stop",
+                                            daemon=True)
+            self._thread.start()
+
+    def _reassert(self) -> None:
+        while not self._done.wait(self._every_s):
+            self._hook()
+
+    def close(self) -> None:
+        self._done.set()
+
+
 @dataclass
 class DistributedJob(Checkpointable):
     """Runs `target(argv)` in every rank of a submitit job; see the module docstring."""
@@ -104,9 +135,8 @@ class DistributedJob(Checkpointable):
         for p in reversed(self.pythonpath):
             if p not in sys.path:
                 sys.path.insert(0, p)
-        stop = resolve(self.stop_hook)
-        usr_sig = JobEnvironment._usr_sig()
-        signal.signal(usr_sig, lambda signum, frame: stop())
+        stop = _LatchedStop(resolve(self.stop_hook))
+        signal.signal(JobEnvironment._usr_sig(), stop.on_signal)
         started = time.time()
 
         import torch
@@ -130,7 +160,10 @@ class DistributedJob(Checkpointable):
         argv = list(self.argv)
         if self.resume and "--resume" not in argv:
             argv.append("--resume")
-        result = resolve(self.target)(argv)
+        try:
+            result = resolve(self.target)(argv)
+        finally:
+            stop.close()
 
         if isinstance(result, Mapping) and result.get("stopped"):
             self._requeue_after_stop(denv.rank, started, own_pg)  # never returns
