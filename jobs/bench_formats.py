@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
-import torch  # noqa: E402
+import torch
 
-from workbench.formats import dequantize, quantize  # noqa: E402
+from workbench.formats import dequantize, quantize
 
 GOAL_SHAPE = (8, 1024, 2048)
 # our profile -> torchao ScaleCalculationMode with the same bytes on bf16 inputs

@@ -113,7 +113,7 @@ def compressed_tensors_oracle(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, 
 
 def compressed_tensors_decode(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
     """The compressor's decompress (bf16 out, as it always is)."""
-    args, scheme = _ct_args(fmt)
+    _, scheme = _ct_args(fmt)
     if fmt == "mxfp4":
         from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
 

@@ -7,7 +7,6 @@ those inputs out, and the test says so.
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

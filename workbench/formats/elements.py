@@ -7,6 +7,7 @@ microxcaling rounds ties away from zero. All saturate to +-6.
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from .constants import E2M1_MAGNITUDES, E2M1_SIGN_BIT, E8M0_BIAS
 
 # Midpoints between consecutive E2M1 magnitudes: boundary i separates code i from code i+1.
-_E2M1_BOUNDARIES = tuple((a + b) / 2 for a, b in zip(E2M1_MAGNITUDES, E2M1_MAGNITUDES[1:]))
+_E2M1_BOUNDARIES = tuple((a + b) / 2 for a, b in itertools.pairwise(E2M1_MAGNITUDES))
 TIE_MODES = ("even", "down", "away")
 _LITTLE_ENDIAN = sys.byteorder == "little"
 _BITS_DTYPE = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
