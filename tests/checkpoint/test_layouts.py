@@ -344,7 +344,6 @@ def test_gpt_oss_byte_255_decodes_like_transformers(tmp_path):
 
 def test_megatron_sequential_and_single_file_grouped_naming(tmp_path):
     from safetensors.torch import save_file
-
     from writers import gen
 
     F, H = 8, 32
@@ -392,3 +391,27 @@ def test_index_handle_cache_is_bounded(ckpts):
         assert len(ix._handles) == 1
     assert ix.stats.requests == 6
     assert ix.stats.bytes_read == sum(ix.entry(n).nbytes for n in names[:6])
+
+
+def test_bf16_gpt_oss_fused_experts_as_transformers_stores_them(tmp_path):
+    """transformers' GptOssExperts keep gate_up_proj [E, H, 2F] (x @ W, gate = even columns)
+    and down_proj [E, F, H]; the views expose Linear-convention [out, in] weights."""
+    from writers import gen, save_sharded
+
+    E, H, F = 3, 32, 24
+    gu, dn = gen((E, H, 2 * F), seed=1), gen((E, F, H), seed=2)
+    p = "model.layers.0.mlp.experts"
+    save_sharded(tmp_path, {f"{p}.gate_up_proj": gu, f"{p}.gate_up_proj_bias": gen((E, 2 * F)),
+                            f"{p}.down_proj": dn, f"{p}.down_proj_bias": gen((E, H), seed=3)})
+    ck = open_checkpoint(tmp_path)
+    x = gen((5, H), seed=4).float()
+    for e in range(E):
+        gate, up = ck.expert_weight(0, e, "gate"), ck.expert_weight(0, e, "up")
+        assert gate.shape == (F, H) and ck.expert_weight(0, e, "down").shape == (H, F)
+        # the model computes x @ gate_up_proj[e] and splits even / odd columns
+        ref = x @ gu[e].float()
+        assert torch.equal(x @ gate.materialize().float().T, ref[:, 0::2])
+        assert torch.equal(x @ up.materialize().float().T, ref[:, 1::2])
+        assert torch.equal(ck.expert_weight(0, e, "down")[3:9, 2:5], dn[e].T[3:9, 2:5])
+    st = ck.stacked_experts(0, "up")
+    assert torch.equal(st[1:3, 4:10:2, 7], gu[1:3, 7, 1::2][:, 4:10:2])

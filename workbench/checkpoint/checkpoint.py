@@ -21,7 +21,7 @@ class Checkpoint:
         self.path = Path(path)
         self.index = ShardIndex(self.path)
         self.config, self.quant_config = load_quant_config(self.path)
-        built = build(self.index, self.quant_config)
+        built = build(self.index, self.quant_config, self.config.get("model_type"))
         raise_all(built.problems, self.path)
         self.layout: str = built.layout
         self.scope: QuantScope = built.scope
@@ -29,7 +29,8 @@ class Checkpoint:
         self._specs: dict[str, LogicalSpec] = built.logicals
         shapes = {n: s.shape for n, s in self._specs.items()}
         try:
-            self._records = expert_records(shapes, fused_interleaved=self.layout == "gpt-oss")
+            interleaved = {n for n, s in self._specs.items() if s.interleaved}
+            self._records = expert_records(shapes, interleaved)
         except ValueError as e:
             raise CheckpointError(str(e), path=self.path) from e
         self._by_key: dict[tuple, ExpertRecord] = {}

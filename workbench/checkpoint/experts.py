@@ -7,7 +7,7 @@ One record per (layer, expert, proj in gate/up/down), with `kind` "routed", "sha
 |---|---|
 | `layers.{l}.*.experts.{e}.{gate,up,down}_proj.weight` (Qwen3-MoE, DeepSeek, Mixtral-style) | as named |
 | `layers.{l}.block_sparse_moe.experts.{e}.w1/w3/w2.weight` (Kimi K2/K3) | w1 gate, w3 up, w2 down |
-| `layers.{l}.mlp.experts.gate_up_proj` / `down_proj`, fused `[E, N, K]` (gpt-oss, packed) | gate = even rows, up = odd rows |
+| `layers.{l}.mlp.experts.gate_up_proj` / `down_proj`, fused (gpt-oss packed `[E, N, K]`, or BF16 `[E, K, N]` as transformers stores it, exposed transposed) | gate = even rows, up = odd rows |
 | `layers.{l}.*.experts.linear_fc1.weight{k}` / `linear_fc2.weight{k}` (Megatron / TE) | fc1 = gate rows then up rows |
 | `layers.{l}.*.experts.local_experts.{k}.linear_fc1.weight` (Megatron SequentialMLP) | same |
 | `layers.{l}.*.experts.fc1.weight{k}` / `fc2.weight{k}` (Hy3-style) | same as TE |
@@ -69,8 +69,11 @@ def _split_fc1(out_rows: int, name: str) -> tuple[int, int]:
     return out_rows // 2, out_rows // 2
 
 
-def expert_records(shapes: dict[str, tuple[int, ...]], fused_interleaved: bool) -> list[ExpertRecord]:
-    """shapes: logical name -> logical shape. Returns records sorted by kind, layer, expert."""
+def expert_records(shapes: dict[str, tuple[int, ...]], interleaved: set[str]
+                   ) -> list[ExpertRecord]:
+    """shapes: logical name -> logical shape; interleaved: the fused 3-D `gate_up_proj`-style
+    names whose rows alternate gate, up (gpt-oss; other fused 3-D tensors are ambiguous and get
+    no records). Returns records sorted by kind, layer, expert."""
     recs: list[ExpertRecord] = []
     grouped: list[tuple[int, int, int | None, str, str, tuple]] = []
     for name, shape in shapes.items():
@@ -79,7 +82,7 @@ def expert_records(shapes: dict[str, tuple[int, ...]], fused_interleaved: bool) 
         if m := PER_EXPERT.match(name):
             recs.append(ExpertRecord(int(m["layer"]), int(m["e"]), PROJ[m["p"]], "routed", name,
                                      tuple(shape)))
-        elif (m := FUSED.match(name)) and len(shape) == 3 and fused_interleaved:
+        elif (m := FUSED.match(name)) and len(shape) == 3 and name in interleaved:
             E, N, K = shape
             for e in range(E):
                 if m["p"] == "down_proj":

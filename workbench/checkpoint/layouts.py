@@ -93,6 +93,8 @@ class LogicalSpec:
     blocks4d: bool = False  # gpt-oss data is [..., N, K/32, 16]
     profile: str | None = None
     scale_kind: str | None = None  # fp8 (compressed-tensors float-quantized): tensor|channel|block
+    transposed: bool = False  # dense stored [..., in, out] (transformers' fused gpt-oss experts)
+    interleaved: bool = False  # fused gate_up rows alternate gate, up (gpt-oss)
 
     def part(self, role: str) -> str | None:
         return dict(self.parts).get(role)
@@ -147,7 +149,7 @@ def _foreign(name: str, layout: str) -> str | None:
     return None
 
 
-def build(index: ShardIndex, qcfg: QuantConfig) -> Built:
+def build(index: ShardIndex, qcfg: QuantConfig, model_type: str | None = None) -> Built:
     layout = detect_layout(qcfg)
     groups, extras = _group(index.names(), layout)
     problems: list[CheckpointError] = []
@@ -179,7 +181,7 @@ def build(index: ShardIndex, qcfg: QuantConfig) -> Built:
         if errs:
             problems += errs
             continue
-        logicals[base] = _spec(index, layout, qcfg, base, g, codec, shape)
+        logicals[base] = _spec(index, layout, qcfg, base, g, codec, shape, model_type)
     return Built(layout, logicals, extras, problems, scope)
 
 
@@ -316,15 +318,31 @@ def qcfg_group_size(qcfg: QuantConfig, base: str) -> int:
                       tensor=base)
 
 
-def _spec(index, layout, qcfg, base, g, codec, shape) -> LogicalSpec:
+def _fused_gpt_oss(index: ShardIndex, base: str, shape: tuple[int, ...], model_type) -> bool:
+    """Dense 3-D `experts.gate_up_proj` / `down_proj` stored as transformers' GptOssExperts
+    parameters, `[E, in, out]`: the bias `[E, out]` says which dim is out (else model_type)."""
+    if len(shape) != 3 or not re.search(r"\.experts\.(gate_up_proj|down_proj)$", base):
+        return False
+    bias = index.entries.get(base + "_bias")
+    if bias is not None and len(bias.shape) == 2 and shape[1] != shape[2]:
+        return bias.shape[-1] == shape[2]
+    return model_type == "gpt_oss"
+
+
+def _spec(index, layout, qcfg, base, g, codec, shape, model_type=None) -> LogicalSpec:
     d = index.entry(g["data"])
     parts = tuple(sorted((r, n) for r, n in g.items() if r != "_conflict"))
     if codec is None:
+        if _fused_gpt_oss(index, base, d.shape, model_type):
+            E, K, N = d.shape
+            return LogicalSpec(base, None, (E, N, K), d.dtype, parts, transposed=True,
+                               interleaved=True)
         return LogicalSpec(base, None, d.shape, d.dtype, parts)
     prof = STORED_PROFILE.get(layout)
     if codec in BLOCK_OF_CODEC:
         return LogicalSpec(base, codec, shape, d.dtype, parts, block=BLOCK_OF_CODEC[codec],
-                           blocks4d=layout == "gpt-oss", profile=prof)
+                           blocks4d=layout == "gpt-oss", profile=prof,
+                           interleaved=layout == "gpt-oss")
     if codec == "int4":
         rows, cols = (int(v) for v in index.read(g["shape"]).tolist())
         return LogicalSpec(base, codec, (rows, cols), d.dtype, parts,

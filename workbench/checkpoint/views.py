@@ -199,6 +199,8 @@ def decode_region(index: ShardIndex, spec: LogicalSpec, lead: tuple, rows: range
     data = spec.part("data")
     codec = spec.codec
     if codec is None:
+        if spec.transposed:  # stored [..., in, out]: read the column range, rows strided
+            return index.read(data, (*lead, slice(c0, c1), rs)).transpose(-1, -2)
         return index.read(data, (*lead, rs, slice(c0, c1)))
     if codec in FMT_OF_CODEC:
         from workbench.formats import QuantizedTensor, dequantize
