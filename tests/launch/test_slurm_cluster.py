@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
-from conftest import CLUSTER_SCRIPT
+
+CLUSTER_SCRIPT = Path(__file__).resolve().parents[2] / "jobs" / "slurm" / "local-cluster.sh"
 
 pytestmark = pytest.mark.slurm
 
