@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 EMBEDDING_LEAVES = ("embed_tokens", "wte", "wpe", "word_embeddings", "embeddings", "embed",
-                    "tok_embeddings", "embedding")
+                    "tok_embeddings", "embedding", "embed_in", "position_embeddings")
 FUSED_EXPERT_PARAMS = ("gate_up_proj", "down_proj", "w1", "w2", "w3", "w13")
 _WEIGHT_K = re.compile(r"weight\d*")
 

@@ -9,7 +9,10 @@ ck.experts()                    # routed records: .layer .expert .proj .kind .na
 ck.expert_weight(layer, expert, proj)[rows, cols]   # decoded bf16, reads only needed blocks
 ck.stacked_experts(layer, proj)[e0:e1]              # [E, out, in] view
 ```
-No transformers import here: safetensors + json + torch (+ workbench.formats to decode).
+Errors: everything wrong at open time is collected; one problem raises its own
+`CheckpointError` subclass, several raise one `ValidationError` whose `.errors` lists each (every
+error carries `.path` and `.tensor`). No transformers import here: safetensors + json + torch
+(+ workbench.formats to decode).
 """
 
 from .checkpoint import Checkpoint, open_checkpoint
