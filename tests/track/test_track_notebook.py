@@ -41,7 +41,7 @@ def group_dir(tmp_path_factory):
         def args(recipe):
             return ["--preset", "tiny", "--recipe", recipe, "--steps", "6", "--val-every", "3",
                     "--out", {str(root)!r} + "/" + recipe, "--wandb", "offline",
-                    "--run-group", "nb"]
+                    "--run-group", "nb", "--export", "bf16"]
 
         main(args("bf16"))
 
@@ -90,12 +90,15 @@ def test_budgets_notebook_headless(group_dir, tmp_path):
     assert not [o for o in outputs if o.output_type == "error"]
     html = "\n".join(o["data"].get("text/html", "") for o in outputs if "data" in o)
     pngs = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(pngs) == 3  # loss curves, step time curves, budget table
+    assert len(pngs) == 4  # loss curves, step time curves, budget table, expert errors
     # the notebook shows the same verdicts as the library computes here
     budgets = (ValLossWithin(2.0), LossFinite(), NoDivergence(3, 1.5), StepTimeRatio(2.0),
                FakeQuantShare(0.5))
     expected = compare(group_dir, budgets=budgets, group="nb").budgets
     assert list(expected["run"].unique()) == ["mxfp4"]
+    # per-expert error of both runs' final weights under the group's QAT weight format
+    for name in RUNS:
+        assert re.search(rf"<td>{name}</td>\s*<td>mxfp4:rceil</td>", html), name
     for row in expected.itertuples():
         shown = "&lt;NA&gt;" if pd.isna(row.passed) else str(bool(row.passed))
         cell = html_escape(row.budget)

@@ -105,3 +105,35 @@ def plot_budgets(table: pd.DataFrame, *, title: str = "Budget verdicts") -> Figu
     else:
         ax.text(0.5, 0.5, "no budgets checked", ha="center", va="center")
     return fig
+
+
+def plot_expert_errors(df: pd.DataFrame, metric: str = "rel_err", *,
+                       title: str | None = None) -> Figure:
+    """Distribution over routed experts (every layer x expert x projection) of `metric`, one
+    box per run, one panel per recipe: do QAT-trained experts quantize better than the same
+    experts trained in BF16? Input: `workbench.track.experts.final_expert_errors`."""
+    Figure = _figure_class()
+    for col in ("run", "recipe", metric):
+        if col not in df.columns:
+            raise KeyError(f"plot_expert_errors: column {col!r} missing "
+                           f"(columns: {list(df.columns)})")
+    recipes = list(dict.fromkeys(df["recipe"]))
+    fig = Figure(figsize=(max(4.0, 3.2 * len(recipes)) + 2.0, 4.0), layout="constrained")
+    if not recipes:
+        ax = fig.add_subplot()
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no exported final weights", ha="center", va="center")
+        return fig
+    axes = fig.subplots(1, len(recipes), squeeze=False, sharey=True)[0]
+    for ax, recipe in zip(axes, recipes):
+        g = df[df["recipe"] == recipe]
+        runs = list(dict.fromkeys(g["run"]))
+        data = [pd.to_numeric(g.loc[g["run"] == r, metric], errors="coerce").dropna()
+                for r in runs]
+        ax.boxplot(data, tick_labels=runs, showmeans=True)
+        ax.set_title(str(recipe))
+        ax.set_xlabel("run")
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].set_ylabel(f"{metric} per expert weight")
+    fig.suptitle(title or f"final weights: {metric} per routed expert")
+    return fig

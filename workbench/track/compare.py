@@ -30,6 +30,7 @@ class RunData:
     config: dict[str, Any] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
     source: str = ""
+    folder: Path | None = None  # the trainer's output folder (--out), when known
 
     @property
     def recipe(self) -> str | None:
@@ -68,7 +69,7 @@ def load_run_folder(folder: str | Path) -> RunData:
     result = _read_json(d / "result.json")
     config = _read_json(d / "config.json") or dict(result.get("config") or {})
     return RunData(name=str(config.get("name") or d.name), metrics=read_metrics(d),
-                   config=config, summary=result, source=str(d))
+                   config=config, summary=result, source=str(d), folder=d)
 
 
 def load_runs(path: str | Path, group: str | None = None,
@@ -84,7 +85,8 @@ def load_runs(path: str | Path, group: str | None = None,
 
         if run_files(p):
             return [RunData(name=r.name, metrics=as_metrics(r), config=r.config,
-                            summary=r.summary, source=";".join(r.paths))
+                            summary=r.summary, source=";".join(r.paths),
+                            folder=_trainer_folder(r.paths[0]))
                     for r in _wandb_runs(p, group)]
         if source == "wandb":
             raise FileNotFoundError(f"{p}: no wandb run files (run-*.wandb) under this folder")
@@ -96,6 +98,11 @@ def load_runs(path: str | Path, group: str | None = None,
     return runs
 
 
+def _trainer_folder(run_file: str) -> Path:
+    # The trainer logs to <--out>/wandb/offline-run-*/run-*.wandb.
+    return Path(run_file).parents[2]
+
+
 def _wandb_runs(path: Path, group: str | None):
     from workbench.track.offline import find_runs, merge_segments
 
@@ -103,7 +110,7 @@ def _wandb_runs(path: Path, group: str | None):
     # id) in the same folder under the same name and group: those are attempts at one run.
     attempts: dict[tuple[str, str, str], list] = {}
     for r in find_runs(path, group=group):
-        folder = str(Path(r.paths[0]).parents[2])  # <folder>/wandb/offline-run-*/run-*.wandb
+        folder = str(_trainer_folder(r.paths[0]))
         attempts.setdefault((folder, r.group, r.name), []).append(r)
     runs = [merge_segments(a) for a in attempts.values()]
     return sorted(runs, key=lambda r: r.start_time)
