@@ -130,7 +130,8 @@ def plot_expert_errors(df: pd.DataFrame, metric: str = "rel_err", *,
         runs = list(dict.fromkeys(g["run"]))
         data = [pd.to_numeric(g.loc[g["run"] == r, metric], errors="coerce").dropna()
                 for r in runs]
-        ax.boxplot(data, tick_labels=runs, showmeans=True)
+        ax.boxplot(data, showmeans=True)
+        ax.set_xticks(range(1, len(runs) + 1), runs)  # `tick_labels=` needs matplotlib 3.9
         ax.set_title(str(recipe))
         ax.set_xlabel("run")
         ax.grid(True, axis="y", alpha=0.3)
