@@ -64,6 +64,15 @@ def modelopt_ckpt(request, oracle_root):
 
 
 @pytest.fixture(scope="session")
+def modelopt_nvfp4(oracle_root):
+    """The NVFP4 member of `modelopt_ckpt`, for tests that need one ModelOpt checkpoint."""
+    _need("modelopt.torch.quantization.qtensor", "transformers")
+    from oracles import write_modelopt
+
+    return write_modelopt(oracle_root / "modelopt-nvfp4-single", "nvfp4", seed=7)
+
+
+@pytest.fixture(scope="session")
 def fp8_block(oracle_root):
     from oracles import write_fp8_block
 

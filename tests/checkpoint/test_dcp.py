@@ -90,7 +90,7 @@ def test_planner_rejects_a_chunk_outside_the_tensor(ct_mxfp4):
         planner.create_local_plan()
 
 
-@pytest.mark.parametrize("which", ["gpt_oss", "fp8_block"])
+@pytest.mark.parametrize("which", ["ct_nvfp4", "gpt_oss", "modelopt_nvfp4", "fp8_block"])
 def test_single_process_other_layouts(which, request):
     oracle = request.getfixturevalue(which)
     ck = open_checkpoint(oracle.path)

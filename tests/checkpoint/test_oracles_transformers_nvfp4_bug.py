@@ -61,3 +61,20 @@ def test_workbench_decodes_the_same_nvfp4_experts_exactly(ct_nvfp4):
         for proj in ("gate", "up", "down"):
             assert_bits_equal(ck.expert_weight(0, e, proj).materialize(),
                               ct_nvfp4.experts[(0, e, proj)], f"E{e} {proj}")
+
+
+def test_control_transformers_loads_mxfp4_experts_exactly(ct_mxfp4):
+    """Same loader, same fusing, MXFP4 (no global scale): transformers is bit-exact here, so the
+    NVFP4 difference above is the dropped `weight_global_scale`, not the comparison."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ct_mxfp4.path, dtype=torch.bfloat16)
+    experts = model.model.layers[1].mlp.experts
+    inter = experts.intermediate_dim
+    for e in range(ct_mxfp4.num_experts):
+        assert_bits_equal(experts.gate_up_proj.data[e, :inter], ct_mxfp4.experts[(1, e, "gate")],
+                          f"transformers E{e} gate")
+        assert_bits_equal(experts.gate_up_proj.data[e, inter:], ct_mxfp4.experts[(1, e, "up")],
+                          f"transformers E{e} up")
+        assert_bits_equal(experts.down_proj.data[e], ct_mxfp4.experts[(1, e, "down")],
+                          f"transformers E{e} down")
