@@ -1,0 +1,1 @@
+"""The shipped training corpus (data files) and the script that rebuilt it."""
