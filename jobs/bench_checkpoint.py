@@ -294,6 +294,8 @@ def _decode_child(path: str, files: list[str], conn) -> None:
             "in_bytes": stats.bytes_read if stats is not None else float("nan"),
             "base": base, "peak": peak,
             "max_proj_bf16": max(2 * r.shape[0] * r.shape[1] for r in records),
+            "expert_bf16": sum(2 * r.shape[0] * r.shape[1] for r in records
+                               if (r.layer, r.expert) == (records[0].layer, records[0].expert)),
         }
         if hasattr(ck, "close"):
             ck.close()
@@ -351,18 +353,20 @@ def run(cfg: BenchConfig) -> str:
         out = "" if nout is None else f"{nout / sec / 1e6:.1f}"
         lines.append(f"{what:<34}{cache:>6}{res:>9}{sec:>8.2f}{cpu:>7.2f}"
                      f"{nin / sec / 1e6:>9.1f}{out:>9}{nin / max(cpu, 1e-9) / 1e6:>12.1f}")
-    unit = dec["decode-warm"]["max_proj_bf16"]
-    lines += ["", (f"memory while iterating {dec['decode-warm']['records']} expert projections (one "
-              f"projection BF16 = {unit / 1e6:.1f} MB, one shard = {shard / 1e6:.0f} MB):"),
+    unit = dec["decode-warm"]["expert_bf16"]
+    proj = dec["decode-warm"]["max_proj_bf16"]
+    lines += ["", (f"memory while iterating {dec['decode-warm']['records']} expert projections "
+                   f"(one expert = 3 projections = {unit / 1e6:.1f} MB BF16, largest projection "
+                   f"{proj / 1e6:.1f} MB, one shard = {shard / 1e6:.0f} MB):"),
               (f"{'pass':<13}{'':<9}{'after open MB':>14}{'peak MB':>9}{'growth MB':>11}"
-              f"{'x proj':>8}{'x shard':>9}")]
+              f"{'x expert':>9}{'x shard':>9}")]
     for kind, cache in PASSES:
         d, phase = dec[f"{kind}-{cache}"], f"{kind} {cache}"
         for key in ("RssAnon", "RssFile", "VmRSS"):
             grow = d["peak"][key] - d["base"][key]
             lines.append(f"{phase:<13}{key:<9}{d['base'][key] / 1e6:>14.0f}"
                          f"{d['peak'][key] / 1e6:>9.0f}{grow / 1e6:>11.1f}"
-                         f"{grow / unit:>8.2f}{grow / shard:>9.3f}")
+                         f"{grow / unit:>9.2f}{grow / shard:>9.3f}")
     lines.append(f"open (headers + validation): cold {dec['raw-cold']['open_s']:.2f} s, "
                  f"warm {dec['decode-warm']['open_s']:.2f} s")
     return "\n".join(lines)
