@@ -127,7 +127,7 @@ class CheckpointStorageReader(StorageReader):
         return fut
 
     # -- internals ------------------------------------------------------------------------
-    def _build_stacks(self) -> dict[str, tuple[int, int]]:
+    def _build_stacks(self) -> dict[str, tuple[int, int, int]]:
         """Stack name -> (E, out, in) from the expert records; fills `self._stacks` once."""
         shapes: dict[tuple[int, str], dict[int, tuple[int, ...]]] = {}
         for r in self.ck.experts():
