@@ -143,3 +143,18 @@ def test_ct_float_quantized_fp8_matches_compressed_tensors(tmp_path, strategy):
     assert torch.equal(v[120:140, 100:131].view(torch.int16),
                        want[120:140, 100:131].view(torch.int16))
     assert ck.recipe_of(f"{name}.weight") == "fp8"
+
+
+def test_checkpoint_scope_recipes_are_formats_recipes(tmp_path):
+    from workbench.formats import Recipe, fake_quantize
+
+    ck = open_checkpoint(write_ct(tmp_path / "c", "nvfp4"))
+    name = ck.experts()[0].name
+    r = ck.scope.recipe(name)
+    assert isinstance(r, Recipe) and (r.fmt, r.profile) == ("nvfp4", "compressed-tensors")
+    assert r == ck.recipe_of(name)
+    x = ck.tensor(name).materialize()
+    assert fake_quantize(x, r).shape == x.shape  # usable as is
+    assert ck.scope.recipe("model.layers.0.mlp.gate.weight") is None
+    ck4 = open_checkpoint(write_ct(tmp_path / "i", "int4"))
+    assert ck4.scope.recipe(ck4.experts()[0].name) == "int4"

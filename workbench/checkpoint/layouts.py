@@ -182,7 +182,24 @@ def build(index: ShardIndex, qcfg: QuantConfig, model_type: str | None = None) -
             problems += errs
             continue
         logicals[base] = _spec(index, layout, qcfg, base, g, codec, shape, model_type)
-    return Built(layout, logicals, extras, problems, scope)
+    return Built(layout, logicals, extras, problems, _public_scope(scope, layout, shapes))
+
+
+def _public_scope(scope: QuantScope, layout: str, shapes) -> QuantScope:
+    """The same decisions, with recipes users can pass to workbench.formats: MX / NVFP4 codecs
+    become `Recipe(fmt, profile of the layout's decoder)`; INT4 / FP8 stay codec strings."""
+    from workbench.formats import Recipe
+
+    from ..scope import Rule
+
+    def public(codec):
+        if codec in FMT_OF_CODEC:
+            return Recipe(FMT_OF_CODEC[codec], STORED_PROFILE[layout])
+        return codec
+
+    stored = None if scope._stored is None else {n: public(c) for n, c in scope._stored.items()}
+    rules = [Rule(r.name, r.targets, public(r.recipe)) for r in scope.rules]
+    return QuantScope(rules, scope.ignore, label=scope.label, names=shapes, stored=stored)
 
 
 def _logical_shape(index: ShardIndex, layout: str, g: dict[str, str]) -> tuple[int, ...]:
