@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import N_STEPS, curve_rows, find_group_run
+from track_runs import N_STEPS, curve_rows, find_group_run
 
 from workbench.track import (
     FakeQuantShare,

@@ -7,7 +7,7 @@ import math
 
 import pandas as pd
 import pytest
-from conftest import N_STEPS, group_runs
+from track_runs import N_STEPS, group_runs
 
 from workbench.track import BadMetricsFile, as_metrics, compare, load_runs, read_metrics
 from workbench.track.budgets import (
@@ -20,7 +20,7 @@ from workbench.track.budgets import (
 
 BUDGETS = (ValLossWithin(2.0), LossFinite(), NoDivergence(window=5, factor=1.5),
            StepTimeRatio(2.0), FakeQuantShare(0.5))
-# What each QAT run was built to do (see conftest.group_runs).
+# What each QAT run was built to do (see track_runs.group_runs).
 EXPECTED = {
     "mxfp4-s0": ("bf16-s0", [True, True, True, True, True]),
     "nvfp4-s0": ("bf16-s0", [False, True, True, False, False]),

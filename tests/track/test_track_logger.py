@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import wandb_env
+from track_runs import wandb_env
 
 from workbench.track import Logger, NullLogger, WandbConfig, make_logger
 

@@ -11,7 +11,7 @@ from html import escape as html_escape
 
 import pandas as pd
 import pytest
-from conftest import REPO, wandb_env
+from track_runs import REPO, wandb_env
 
 from workbench.track import (
     FakeQuantShare,

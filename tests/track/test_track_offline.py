@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import big_run, curve_rows, exact_run
+from track_runs import big_run, curve_rows, exact_run
 
 from workbench.track import CorruptRunFile, find_runs, read_run
 from workbench.track.wandb_file import BLOCK_SIZE, FILE_HEADER, RECORD_HEADER, scan_records
@@ -172,7 +172,7 @@ def test_live_run_is_readable_while_written(tmp_path):
     import sys
     import time
 
-    from conftest import WRITER, wandb_env
+    from track_runs import WRITER, wandb_env
     hold = tmp_path / "release"
     rows = [{"step": s, "metrics": {"loss": 1.0 / (s + 1)}} for s in range(30)]
     spec = tmp_path / "spec.json"

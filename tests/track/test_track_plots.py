@@ -8,7 +8,7 @@ import matplotlib
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import curve_rows
+from track_runs import curve_rows
 
 from workbench.plots.runs import plot_budgets, plot_curves
 from workbench.track import LossFinite, StepTimeRatio, ValLossWithin, check
