@@ -162,3 +162,18 @@ def test_te_tiles_cost_a_little_quality_and_keep_a_floor():
     tiled = quantize_nvfp4_parts(x, "te", tile_rows=16)
     deq = dequantize_nvfp4(tiled.data, tiled.scale, tiled.global_scale, "te", torch.float32)
     assert 18.5 < sqnr_db(x, deq) < sqnr_db(x, fake_quantize(x, "nvfp4", "te"))
+
+
+@pytest.mark.parametrize("profile", ALL)
+def test_library_global_equals_the_global_amax_route(profile):
+    x = gaussian((2, 8, 32), seed=32, scale=5.0)
+    amax_E11 = x.abs().amax(dim=(1, 2), keepdim=True)
+    via_amax = quantize_nvfp4_parts(x, profile, amax_E11)
+    via_lib = quantize_nvfp4_parts(x, profile, library_global=via_amax.library_global)
+    assert torch.equal(via_amax.data, via_lib.data)
+    assert same_bits(via_amax.scale, via_lib.scale)
+    assert same_bits(via_amax.global_scale, via_lib.global_scale)
+    with pytest.raises(ValueError, match="not both"):
+        quantize_nvfp4_parts(x, profile, amax_E11, library_global=via_amax.library_global)
+    with pytest.raises(ValueError, match=r"library_global must be a scalar or shape \[2, 1, 1\]"):
+        quantize_nvfp4_parts(x, profile, library_global=torch.ones(2))

@@ -111,3 +111,19 @@ def test_library_global_converts_from_checkpoint_shape():
 @given(x=special_tensors())
 def test_special_values_match_compressed_tensors(x):
     check_against_compressed_tensors(x)
+
+
+def test_given_weight_global_scale_matches_compressed_tensors():
+    # compress() takes whatever weight_global_scale calibration produced, e.g. a shared one.
+    x = gaussian((8, 64), torch.bfloat16, seed=18)
+    g = torch.tensor([357.25])
+    xb = x.float().reshape(8, -1, 16)
+    scale, _ = calculate_qparams(xb.amin(-1), xb.amax(-1), SCHEME.weights, global_scale=g)
+    sd = NVFP4PackedCompressor.compress({"weight": x, "weight_scale": scale,
+                                         "weight_global_scale": g}, SCHEME)
+    p = quantize_nvfp4_parts(x, "compressed-tensors", library_global=g)
+    assert torch.equal(p.data, sd["weight_packed"])
+    assert same_bits(p.scale, sd["weight_scale"])
+    deq = NVFP4PackedCompressor.decompress(dict(sd), SCHEME)["weight"]
+    assert same_bits(dequantize_nvfp4(p.data, p.scale, p.global_scale, "compressed-tensors",
+                                      torch.bfloat16, library_global=p.library_global), deq)

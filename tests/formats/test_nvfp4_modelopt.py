@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from nvfp4_cases import first_difference, gaussian, same_bits, special_tensors
 
 from workbench.formats import dequantize, quantize
-from workbench.formats.nvfp4 import dequantize_nvfp4, to_library_global
+from workbench.formats.nvfp4 import dequantize_nvfp4, quantize_nvfp4_parts, to_library_global
 
 qtensor = pytest.importorskip("modelopt.torch.quantization.qtensor.nvfp4_tensor")
 NVFP4QTensor = qtensor.NVFP4QTensor
@@ -79,3 +79,13 @@ def test_decode_of_every_byte_matches_modelopt():
 @given(x=special_tensors())
 def test_special_values_match_modelopt(x):
     check_against_modelopt(x)
+
+
+def test_given_weights_scaling_factor_2_matches_modelopt():
+    x = gaussian((8, 64), torch.bfloat16, seed=17, scale=3.0)
+    wsf2 = torch.tensor(1.7e-3)  # calibrated elsewhere, not this tensor's amax / 2688
+    data, wsf, _, deq = modelopt_reference(x, wsf2)
+    p = quantize_nvfp4_parts(x, "modelopt-export", library_global=wsf2)
+    assert torch.equal(p.data, data) and same_bits(p.scale, wsf)
+    ours = dequantize_nvfp4(p.data, p.scale, p.global_scale, "modelopt-export", torch.bfloat16)
+    assert same_bits(ours, deq)

@@ -117,3 +117,14 @@ def test_special_values_in_expert_stacks_match_torchao(a, b):
     x = torch.stack([fit(a), fit(b)]).to(a.dtype)
     amax_E11 = x.float().abs().amax(dim=(1, 2), keepdim=True)
     check_against_torchao(x, global_amax=amax_E11)
+
+
+def test_given_per_tensor_scale_matches_torchao():
+    # A calibrated per_tensor_scale that is not amax/2688 of this tensor, passed as torchao takes it.
+    x = gaussian((4, 3, 64), torch.bfloat16, seed=16, scale=2.0)
+    per_expert = torch.tensor([1e-3, 0.5, 7.0, 3e-3]).reshape(4, 1, 1)
+    for pts in (torch.tensor(0.0123), per_expert):
+        t = nvfp4_tensor.NVFP4Tensor.to_nvfp4(x, per_tensor_scale=pts)
+        p = quantize_nvfp4_parts(x, "torchao", library_global=pts)
+        assert torch.equal(p.data, t.qdata) and same_bits(p.scale, t.scale)
+        assert same_bits(p.global_scale, pts)

@@ -95,17 +95,16 @@ class NVFP4Parts(NamedTuple):
     library_global: Tensor  # the same global in the form the profile's library stores
 
 
-def _resolve_amax(x: Tensor, global_amax: Tensor | float | None, prof: NVFP4Profile) -> Tensor:
-    if global_amax is None:
-        return prof.amax(x.float())
-    a = torch.as_tensor(global_amax, dtype=torch.float32, device=x.device)
+def _per_tensor(x: Tensor, value: Tensor | float, name: str) -> Tensor:
+    """A per-tensor value as fp32: 0-dim, or ``[E, 1, ...]`` for one per leading index."""
+    a = torch.as_tensor(value, dtype=torch.float32, device=x.device)
     per_expert = (x.shape[0],) + (1,) * (x.dim() - 1)
     if x.dim() >= 2 and tuple(a.shape) == per_expert:
         return a  # kept even for E == 1, so callers can index experts uniformly
     if a.numel() == 1:
         return a.reshape(())
     raise ValueError(
-        f"global_amax must be a scalar or shape {list(per_expert)} (one per leading index) for an "
+        f"{name} must be a scalar or shape {list(per_expert)} (one per leading index) for an "
         f"input of shape {list(x.shape)}, got shape {list(a.shape)}"
     )
 
@@ -144,14 +143,19 @@ def quantize_nvfp4_parts(
     profile: str,
     global_amax: Tensor | float | None = None,
     *,
+    library_global: Tensor | float | None = None,
     tile_rows: int = 1,
 ) -> NVFP4Parts:
     """Quantize ``x`` (last dim a multiple of 16) exactly as ``profile``'s library does.
 
     ``global_amax`` replaces the tensor amax (scalar, or ``[E, 1, ...]`` for one global per
-    leading index). ``tile_rows=16`` (``te`` only) takes one scale per 16x16 tile of the last two
-    dims, as TE does for weights; the tile scale is stored on each of its 16 rows, so ``scale``
-    keeps the ``[..., K/16]`` shape and every decoder treats it like 1x16 scales.
+    leading index). ``library_global`` instead gives the global in the library's stored form
+    (torchao ``per_tensor_scale``, ModelOpt ``weights_scaling_factor_2``, compressed-tensors
+    ``weight_global_scale``, TE amax), as each library's own quantize call accepts it: re-encoding
+    with a checkpoint's stored global reproduces the library bit for bit. ``tile_rows=16`` (``te``
+    only) takes one scale per 16x16 tile of the last two dims, as TE does for weights; the tile
+    scale is stored on each of its 16 rows, so ``scale`` keeps the ``[..., K/16]`` shape and every
+    decoder treats it like 1x16 scales.
     """
     prof = get_profile(profile)
     if tile_rows not in (1, NVFP4_BLOCK):
@@ -166,7 +170,14 @@ def quantize_nvfp4_parts(
     if x.shape[-1] % NVFP4_BLOCK:
         raise ValueError(f"nvfp4 needs a last dim that is a multiple of {NVFP4_BLOCK}, "
                          f"got shape {list(x.shape)}")
-    g = prof.global_from_amax(_resolve_amax(x, global_amax, prof))
+    if library_global is not None:
+        if global_amax is not None:
+            raise ValueError("pass global_amax or library_global, not both")
+        g = _per_tensor(x, library_global, "library_global")
+    else:
+        amax = prof.amax(x.float()) if global_amax is None else _per_tensor(x, global_amax,
+                                                                            "global_amax")
+        g = prof.global_from_amax(amax)
     x_RBS = _blocks(x.float())
     s_RB = prof.block_scale(_tile_amax(x_RBS, prof.amax, tile_rows), g)
     v_RBS = prof.scaled(x_RBS, s_RB, g)
