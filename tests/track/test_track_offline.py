@@ -61,7 +61,9 @@ def test_media_logged_as_wandb_objects(wandb_dir):
     run = _one(wandb_dir, "exact")
     h = run.history.set_index("_step")
     table, image = h.loc[2, "errors"], h.loc[3, "curve"]
-    assert table["_type"] == "table-file" and table["nrows"] == 2 and table["ncols"] == 2
+    assert table["_type"] == "table-file" and table["nrows"] == 3 and table["ncols"] == 3
+    # a named (multi-)index is kept as columns
+    assert h.loc[2, "errors_by_expert"]["ncols"] == 3
     assert image["_type"] == "image-file" and image["format"] == "png"
     run_dir = wandb_dir.glob(f"offline-run-*-{run.id}")
     png = next(run_dir) / "files" / image["path"]

@@ -33,7 +33,10 @@ def main(spec_path: str) -> None:
         for row in run.get("rows", []):
             logger.log(row["metrics"], step=row["step"])
             if row["step"] == run.get("table_at"):
-                logger.log_table("errors", pd.DataFrame({"expert": [0, 1], "sqnr": [20.5, 19.0]}),
+                errors = pd.DataFrame({"layer": [0, 0, 1], "expert": [0, 1, 0],
+                                       "sqnr": [20.5, 19.0, 18.0]})
+                logger.log_table("errors", errors, step=row["step"])
+                logger.log_table("errors_by_expert", errors.set_index(["layer", "expert"]),
                                  step=row["step"])
             if row["step"] == run.get("image_at"):
                 from workbench.plots.runs import plot_curves

@@ -150,9 +150,10 @@ class WandbLogger:
         self._guard("log_config", self.run.config.update, dict(config), allow_val_change=True)
 
     def log_table(self, name: str, df: pd.DataFrame, step: int) -> None:
+        # A named index (e.g. layer, expert) is data and becomes columns; a RangeIndex is not.
+        unnamed = all(n is None for n in getattr(df.index, "names", [None]))
         self._guard("log_table", lambda: self.run.log(
-            {name: self._wandb.Table(dataframe=df.reset_index(drop=df.index.name is None))},
-            step=int(step)))
+            {name: self._wandb.Table(dataframe=df.reset_index(drop=unnamed))}, step=int(step)))
 
     def log_image(self, name: str, fig: Figure, step: int) -> None:
         def send() -> None:
