@@ -133,7 +133,7 @@ def _round(v: Tensor, prof: NVFP4Profile) -> Tensor:
         v_nan = v[nan]
         if prof.nan_code is not None:
             codes[nan] = prof.nan_code(v_nan)
-        else:
+        else:  # undefined in the library (compressed-tensors); a signed zero, as x86 gives
             codes[nan] = torch.signbit(v_nan).to(torch.uint8) * E2M1_SIGN_BIT
     return codes
 
@@ -170,15 +170,16 @@ def quantize_nvfp4_parts(
     if x.shape[-1] % NVFP4_BLOCK:
         raise ValueError(f"nvfp4 needs a last dim that is a multiple of {NVFP4_BLOCK}, "
                          f"got shape {list(x.shape)}")
+    xf = x.float()
     if library_global is not None:
         if global_amax is not None:
             raise ValueError("pass global_amax or library_global, not both")
         g = _per_tensor(x, library_global, "library_global")
+    elif global_amax is not None:
+        g = prof.global_from_amax(_per_tensor(x, global_amax, "global_amax"))
     else:
-        amax = prof.amax(x.float()) if global_amax is None else _per_tensor(x, global_amax,
-                                                                            "global_amax")
-        g = prof.global_from_amax(amax)
-    x_RBS = _blocks(x.float())
+        g = prof.global_from_amax(prof.amax(xf))
+    x_RBS = _blocks(xf)
     s_RB = prof.block_scale(_tile_amax(x_RBS, prof.amax, tile_rows), g)
     v_RBS = prof.scaled(x_RBS, s_RB, g)
     data = pack_fp4(_round(v_RBS, prof).reshape(x.shape))
