@@ -144,9 +144,12 @@ def amax_blocks(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.reshape(n, 32)
 
 
-def triton_kernels_reference(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+def triton_kernels_reference(x: torch.Tensor, fmt: str, version: str = "main"
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """numpy transcription of triton_kernels ``_compute_quant_and_scale`` (ROUND_UP, FP4 and FP8).
 
+    ``version``: "main" (triton 0616e645: RNE from guard/sticky/lsb) or "gpt-oss" (triton
+    d1c192b7, the generation gpt-oss shipped with: ``(((e << 2) | m2) + 1) >> 1``).
     Transcribed line by line from triton-lang/triton python/triton_kernels/.../_downcast_to_mxfp.py
     (it cannot run here: it needs a GPU). uint32 arithmetic wraps as on the GPU; ``max.f32``
     ignores NaN operands (``np.fmax``) and NaN results are the GPU's canonical NaN (both seen on
@@ -184,10 +187,13 @@ def triton_kernels_reference(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, t
     mantissas = np.where(exponents < e8_bias, sub, mantissas)
     exponents = np.maximum(exponents, e8_bias - e2_bias) - (e8_bias - e2_bias)
     m2bits = mantissas >> 21
-    lsb_keep = (m2bits >> 1) & 1
-    guard = m2bits & 1
-    sticky = ((mantissas & 0x1FFFFF) != 0).astype(np.uint64)
-    round_inc = guard & (sticky | lsb_keep)
+    if version == "gpt-oss":
+        round_inc = np.uint64(1)
+    else:
+        lsb_keep = (m2bits >> 1) & 1
+        guard = m2bits & 1
+        sticky = ((mantissas & 0x1FFFFF) != 0).astype(np.uint64)
+        round_inc = guard & (sticky | lsb_keep)
     e2m1 = np.minimum((((exponents << 2) | m2bits) + round_inc) >> 1, 7)
     codes = ((signs >> 28) | e2m1).astype(np.uint8).reshape(x.shape)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
@@ -195,18 +201,24 @@ def triton_kernels_reference(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, t
 
 
 def triton_kernels_decode_reference(data: torch.Tensor, scale: torch.Tensor, fmt: str,
-                                    dtype: torch.dtype) -> torch.Tensor:
+                                    dtype: torch.dtype, version: str = "main") -> torch.Tensor:
     """numpy transcription of triton_kernels ``_upcast_from_mxfp`` (non-Blackwell path).
 
-    Scale byte b -> 2^(b-127) with byte 0 as 2^-127; value * scale in the output dtype (through
-    bf16 for fp32 outputs, exact for FP4/FP8 values); clamp to the dtype's finite range;
-    byte 0xFF -> NaN.
+    Scale byte b -> 2^(b-127) (byte 0: 2^-127 on "main", 0.0 in the "gpt-oss" generation, which
+    shifts the byte into the exponent field), rounded to fp16 for fp16 outputs; value * scale in
+    the output dtype (exact for FP4/FP8 values up to that rounding); clamp to the dtype's finite
+    range (NaN kept); byte 0xFF -> NaN.
     """
     import ml_dtypes
     import numpy as np
 
     b = scale.numpy().astype(np.int64)
     s = np.ldexp(np.float64(1), b - 127)
+    if version == "gpt-oss":
+        s = np.where(b == 0, 0.0, s)
+    if dtype == torch.float16:
+        with np.errstate(all="ignore"):
+            s = s.astype(np.float32).astype(np.float16).astype(np.float64)
     if fmt == "mxfp4":
         mags = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float64)
         vals = np.concatenate([mags, -mags])

@@ -68,7 +68,7 @@ def test_torchao_all_modes_with_specials(x, fmt):
         assert _same_data(ours, data[k_el], fmt), (profile, first_difference(q.data, data, x))
         if profile == "torchao-rceil":
             continue
-        for dtype in (torch.bfloat16, torch.float32):
+        for dtype in (torch.bfloat16, torch.float32, torch.float16):
             ref = torchao_decode(q.data, q.scale, fmt, dtype)
             assert same_values(dequantize(q, dtype), ref), (profile, dtype)
 
@@ -110,15 +110,19 @@ def test_compressed_tensors_finite(x, fmt):
     assert same_values(dequantize(q, torch.bfloat16), compressed_tensors_decode(q.data, q.scale, fmt))
 
 
+TRITON_VERSIONS = {"triton-kernels": "gpt-oss", "triton-kernels-main": "main"}
+
+
 @SETTINGS
-@given(x=tensors(), fmt=st.sampled_from(MX))
-def test_triton_kernels_transcription(x, fmt):
-    data, scale = triton_kernels_reference(x, fmt)
-    q = quantize(x, fmt, "triton-kernels")
+@given(x=tensors(), fmt=st.sampled_from(MX), profile=st.sampled_from(sorted(TRITON_VERSIONS)))
+def test_triton_kernels_transcription(x, fmt, profile):
+    version = TRITON_VERSIONS[profile]
+    data, scale = triton_kernels_reference(x, fmt, version)
+    q = quantize(x, fmt, profile)
     assert torch.equal(q.scale, scale), first_difference(q.scale, scale)
     assert _same_data(q.data, data, fmt), first_difference(q.data, data, x)
     for dtype in (torch.bfloat16, torch.float32, torch.float16):
-        ref = triton_kernels_decode_reference(q.data, q.scale, fmt, dtype)
+        ref = triton_kernels_decode_reference(q.data, q.scale, fmt, dtype, version)
         assert same_values(dequantize(q, dtype), ref), dtype
 
 
@@ -128,7 +132,7 @@ def test_fp16_inputs_equal_their_exact_fp32_copy(x, fmt):
     """No library here takes fp16 MX input (torchao asserts); fp16 -> fp32 is exact, so the
     reference defines fp16 as the same bytes as the fp32 copy, for every profile."""
     x16 = x.to(torch.float16)
-    for profile in ("rceil", "floor", "even", "triton-kernels"):
+    for profile in ("rceil", "floor", "even", "triton-kernels", "triton-kernels-main"):
         a, b = quantize(x16, fmt, profile), quantize(x16.float(), fmt, profile)
         assert torch.equal(a.scale, b.scale), profile
         assert _same_data(a.data, b.data.view(torch.uint8), fmt), profile
@@ -157,12 +161,27 @@ def test_triton_kernels_truncated_sticky_window():
     ks = torch.arange(1, 8, dtype=torch.float64)
     x[0, 1:8] = (0.25 + ks * 2.0**-25).float()
     x[1, 1:8] = -(0.25 + ks * 2.0**-25).float()
-    data, scale = triton_kernels_reference(x, "mxfp4")
-    q = quantize(x, "mxfp4", "triton-kernels")
+    data, scale = triton_kernels_reference(x, "mxfp4", "main")
+    q = quantize(x, "mxfp4", "triton-kernels-main")
     assert torch.equal(q.scale, scale)
     assert torch.equal(q.data, data), first_difference(q.data, data)
     # and the window really is there: RNE (rceil) rounds every one of them up to 0.5
     assert not torch.equal(quantize(x, "mxfp4", "rceil").data, data)
+
+
+def test_triton_kernels_generations_differ_on_ties():
+    """gpt-oss's triton_kernels rounds E2M1 ties away (0.25 -> 0.5, 2.5 -> 3, 5 -> 6); main
+    rounds them to even. Both against their transcriptions, on every tie."""
+    x = torch.zeros(2, 32)
+    x[:, 0] = 6.0
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    x[0, 1:8], x[1, 1:8] = ties, -ties
+    old = quantize(x, "mxfp4", "triton-kernels")
+    new = quantize(x, "mxfp4", "triton-kernels-main")
+    assert torch.equal(old.data, triton_kernels_reference(x, "mxfp4", "gpt-oss")[0])
+    assert torch.equal(new.data, triton_kernels_reference(x, "mxfp4", "main")[0])
+    assert torch.equal(new.data, quantize(x, "mxfp4", "rceil").data)  # RNE, same scale here
+    assert not torch.equal(old.data, new.data)
 
 
 def test_modelopt_sign_of_values_that_underflow_bf16_but_not_fp32():

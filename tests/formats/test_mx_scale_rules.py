@@ -116,10 +116,13 @@ def test_every_bf16_amax_matches_compressed_tensors(bf16_blocks, fmt):
 
 @pytest.mark.parametrize("fmt", MX)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_every_bf16_amax_matches_triton_kernels_transcription(bf16_blocks, fmt, dtype):
+@pytest.mark.parametrize(("profile", "version"),
+                         [("triton-kernels", "gpt-oss"), ("triton-kernels-main", "main")])
+def test_every_bf16_amax_matches_triton_kernels_transcription(bf16_blocks, fmt, dtype, profile,
+                                                               version):
     x = bf16_blocks.to(dtype)
-    data, scale = triton_kernels_reference(x, fmt)
-    q = quantize(x, fmt, "triton-kernels")
+    data, scale = triton_kernels_reference(x, fmt, version)
+    q = quantize(x, fmt, profile)
     assert torch.equal(q.scale, scale), first_difference(q.scale, scale)
     assert torch.equal(q.data.view(torch.uint8), data), first_difference(q.data, data)
 

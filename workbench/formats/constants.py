@@ -77,6 +77,7 @@ MX_PROFILES = (
     "compressed-tensors",
     "modelopt-export",
     "triton-kernels",
+    "triton-kernels-main",
 )
 # compressed-tensors and ModelOpt write no MXFP8 E5M2 (mx_profiles.PROFILES says who writes what).
 MX_E5M2_PROFILES = tuple(p for p in MX_PROFILES if p not in ("compressed-tensors", "modelopt-export"))

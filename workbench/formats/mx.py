@@ -142,8 +142,12 @@ def dequantize_mx(
     prof = mx_profile(profile, spec)
     if scale.dtype != torch.uint8:
         raise TypeError(f"MX scales must be uint8 E8M0 bytes, got {scale.dtype}")
-    # fp16 cannot hold most E8M0 scales: multiply in fp32 and round once
-    wdt = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    # fp16 cannot hold most E8M0 scales: multiply in fp32 and round once, unless the library
+    # itself rounds the scale to fp16 first (dec_fp16_scale)
+    if dtype == torch.bfloat16 or (dtype == torch.float16 and prof.dec_fp16_scale):
+        wdt = dtype
+    else:
+        wdt = torch.float32
     s_B = cached_lut("decode", prof.name, str(scale.device), wdt)[scale.long()]
     if spec.element == "e2m1":
         if data.dtype != torch.uint8:

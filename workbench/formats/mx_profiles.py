@@ -52,6 +52,9 @@ class MXProfile:
     truncated_sticky: E2M1 rounding shifts the low mantissa bits of values in [0.25, 0.5) out
                   before looking at them (triton_kernels), so fp32 values in
                   (0.25, 0.25 + 3 * 2^-25] round down to 0 instead of up to 0.5.
+    dec_fp16_scale: for fp16 output the decoder rounds the scale to fp16 first (so scales
+                  outside fp16's range become 0 or inf) and multiplies in fp16: torchao's
+                  to_dtype and both triton_kernels upcasts. Others multiply in fp32.
     """
 
     name: str
@@ -69,6 +72,7 @@ class MXProfile:
     formats: tuple[str, ...]
     source: str
     truncated_sticky: bool = False
+    dec_fp16_scale: bool = False
 
     def __post_init__(self) -> None:
         if self.scale_rule not in SCALE_RULES:
@@ -93,7 +97,8 @@ def _torchao(name: str, rule: str) -> MXProfile:
     return MXProfile(name, rule, nan_byte=0xFF, inf_byte=None, enc_byte0=2.0**126,
                      enc_byte255=0.0, ties="even", sign="bits", nan_amax="propagate",
                      dec_byte0=_TWO_M127, dec_byte255="nan", dec_saturate=False, formats=_ALL_MX,
-                     source=f"torchao 0.18 to_mx(scaling_mode={rule.upper()}) / to_dtype")
+                     source=f"torchao 0.18 to_mx(scaling_mode={rule.upper()}) / to_dtype",
+                     dec_fp16_scale=True)
 
 
 PROFILES: dict[str, MXProfile] = {
@@ -107,13 +112,15 @@ PROFILES: dict[str, MXProfile] = {
     "rceil": MXProfile("rceil", "rceil", nan_byte=0xFF, inf_byte=0xFE, enc_byte0=1.0,
                        enc_byte255=_NAN, ties="even", sign="bits", nan_amax="propagate",
                        dec_byte0=_TWO_M127, dec_byte255="nan", dec_saturate=False,
-                       formats=_ALL_MX, source="exact RCEIL (TE/cuBLAS); torchao 0.18 RCEIL on bf16"),
+                       formats=_ALL_MX, source="exact RCEIL (TE/cuBLAS); torchao 0.18 RCEIL on bf16",
+                       dec_fp16_scale=True),
     # torchao 0.18 _to_mx_rceil eager fallback, bit for bit: ceil(log2(amax / max)) in fp32.
     "torchao-rceil": MXProfile("torchao-rceil", "rceil-float", nan_byte=0xFF, inf_byte=0xFE,
                                enc_byte0=1.0, enc_byte255=_NAN, ties="even", sign="bits",
                                nan_amax="propagate", dec_byte0=_TWO_M127, dec_byte255="nan",
                                dec_saturate=False, formats=_ALL_MX,
-                               source="torchao 0.18 to_mx(RCEIL) CPU eager (_to_mx_rceil fallback)"),
+                               source="torchao 0.18 to_mx(RCEIL) CPU eager (_to_mx_rceil fallback)",
+                               dec_fp16_scale=True),
     # compressed-tensors 0.20.1: generate_mx_scales (round_to_power_2 with the FP4 mantissa width,
     # also for MXFP8) -> 2**(b-127) float scale -> x / scale in the input dtype -> cast_to_fp4
     # (RNE) -> pack_fp4_to_uint8 (sign from signbit after cast_to_fp4 multiplied by sign(x), so
@@ -132,13 +139,24 @@ PROFILES: dict[str, MXProfile] = {
                                  source="nvidia-modelopt 0.47 MXFP4QTensor / MXFP8QTensor"),
     # triton_kernels downcast_to_mxfp (ROUND_UP): bits(fl(amax/max)) + 0x7FFFFF, masked to the
     # exponent; a zero (or NaN) descale gives byte 0 and a zero multiplier; amax via max.f32
-    # (NaN ignored). Decode (upcast_from_mxfp): 0xFF -> NaN, saturating to the dtype's range.
+    # (NaN ignored); NaN results are the GPU's canonical NaN. Two generations of its E2M1 code:
+    # "triton-kernels" is the one gpt-oss shipped with and transformers' MXFP4 writer loads
+    # (triton-lang/triton d1c192b7, vendored widely): "+1 >> 1" on the guard bit = ties away;
+    # its upcast decodes byte 0 as 0.0. "triton-kernels-main" is triton main since late 2025
+    # (0616e645): RNE with a sticky bit that misses bits shifted out below 0.5; its upcast
+    # decodes byte 0 as 2^-127. Both upcasts saturate to the dtype's range and give NaN for 0xFF.
     "triton-kernels": MXProfile("triton-kernels", "round-up-bits", nan_byte=0x00, inf_byte=0xFF,
-                                enc_byte0=0.0, enc_byte255=0.0, ties="even", sign="bits",
-                                nan_amax="ignore", dec_byte0=_TWO_M127, dec_byte255="nan",
+                                enc_byte0=0.0, enc_byte255=0.0, ties="away", sign="bits",
+                                nan_amax="ignore", dec_byte0=0.0, dec_byte255="nan",
                                 dec_saturate=True, formats=_ALL_MX,
-                                source="triton-lang/triton python/triton_kernels (2025-26 main)",
-                                truncated_sticky=True),
+                                source="triton_kernels as shipped for gpt-oss (triton d1c192b7)",
+                                dec_fp16_scale=True),
+    "triton-kernels-main": MXProfile("triton-kernels-main", "round-up-bits", nan_byte=0x00,
+                                     inf_byte=0xFF, enc_byte0=0.0, enc_byte255=0.0, ties="even",
+                                     sign="bits", nan_amax="ignore", dec_byte0=_TWO_M127,
+                                     dec_byte255="nan", dec_saturate=True, formats=_ALL_MX,
+                                     source="triton_kernels on triton main (0616e645, 01757dc2)",
+                                     truncated_sticky=True, dec_fp16_scale=True),
 }
 
 
