@@ -1,40 +1,69 @@
-"""The README's demo: the main job on the embedded default.
+"""The README's demo: the workbench's notebooks, executed headless on the embedded default.
 
-Quantizes a generated set of MoE expert weights (heavy tails, outlier channels, one badly
-conditioned expert) with every format's default profile and prints a per-format error table.
+    make demo                     # or: .venv/bin/python jobs/demo.py [--out runs/demo-notebooks]
+
+1. builds the embedded demo checkpoint once (``workbench.demo``: a small MoE with structured
+   experts, trained a few MXFP4 QAT steps by the workbench trainer, exported packed);
+2. runs ``01_inspect_checkpoint`` on it (per-expert error heatmaps, recipe comparison, picker);
+3. runs ``02_launch_qat`` (a BF16 baseline and an MXFP4+MXFP8 QAT run, EP4, local executor) and
+   ``03_budgets`` on the runs it made (curves and budget verdicts).
+Executed notebooks and figures land under ``--out``; the paths are printed at the end.
 """
 
 from __future__ import annotations
 
-import torch
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
 
-from workbench.formats import FORMATS, fake_quantize
-
-
-def expert_weights(n_experts: int = 8, out_f: int = 256, in_f: int = 512, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    # Student-t-like tails: Gaussian divided by a random scale per element.
-    w = torch.randn(n_experts, out_f, in_f, generator=g)
-    w = w / torch.rand(n_experts, out_f, in_f, generator=g).clamp_min(0.05).sqrt()
-    cols = torch.randint(0, in_f, (n_experts, 4), generator=g)
-    for e in range(n_experts):
-        w[e, :, cols[e]] *= 8.0  # outlier input channels
-    w[-1] *= torch.logspace(-3, 1, in_f)  # a badly conditioned expert
-    return (w * 0.02).to(torch.bfloat16)
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def main() -> None:
-    w = expert_weights()
-    ref = w.float()
-    print(f"expert stack {tuple(w.shape)} bf16")
-    print(f"{'format':<14}{'profile':<12}{'rel_err':>10}{'sqnr_db':>10}{'max_abs_err':>14}")
-    for name, spec in FORMATS.items():
-        deq = fake_quantize(w, name).float()
-        err = deq - ref
-        rel = (err.norm() / ref.norm()).item()
-        sqnr = (20 * torch.log10(ref.norm() / err.norm())).item()
-        print(f"{name:<14}{spec.default_profile:<12}{rel:>10.4f}{sqnr:>10.2f}{err.abs().max().item():>14.3e}")
+def run_notebook(name: str, out: Path, parameters: dict) -> Path:
+    import papermill
+
+    dst = out / name
+    t0 = time.time()
+    print(f"executing notebooks/{name} ...", flush=True)
+    papermill.execute_notebook(str(ROOT / "notebooks" / name), str(dst), parameters=parameters,
+                               cwd=str(ROOT), kernel_name="python3", progress_bar=False,
+                               log_output=False)
+    print(f"  done in {time.time() - t0:.0f} s -> {dst}")
+    return dst
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="runs/demo-notebooks", help="folder for executed notebooks")
+    ap.add_argument("--steps", type=int, default=24, help="QAT steps of the demo checkpoint")
+    ap.add_argument("--launch-steps", type=int, default=30, help="steps of the 02 notebook's runs")
+    ap.add_argument("--skip-launch", action="store_true", help="only the inspection notebook")
+    args = ap.parse_args(argv)
+    os.chdir(ROOT)
+    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    from workbench.demo import demo_checkpoint
+
+    demo = demo_checkpoint(steps=args.steps)
+    print(f"embedded checkpoint: {demo.packed} (reference {demo.init})")
+    done = [run_notebook("01_inspect_checkpoint.ipynb", out,
+                         {"checkpoint": str(demo.packed), "reference": str(demo.init),
+                          "out_dir": str(out / "inspect"), "demo_steps": args.steps})]
+    if not args.skip_launch:
+        runs = out / "runs"
+        done.append(run_notebook("02_launch_qat.ipynb", out,
+                                 {"out": str(runs), "steps": args.launch_steps}))
+        done.append(run_notebook("03_budgets.ipynb", out, {"group_dir": str(runs)}))
+    figs = sorted((out / "inspect").glob("*.png"))
+    print("\nexecuted notebooks (open them in JupyterLab):")
+    for p in done:
+        print(f"  {p}")
+    print(f"figures and tables: {out / 'inspect'} ({len(figs)} PNGs, experts.csv, summary.txt)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
