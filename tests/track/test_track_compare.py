@@ -36,7 +36,8 @@ def metrics_dir(tmp_path_factory):
         d = root / run["name"]
         d.mkdir()
         with open(d / "metrics.jsonl", "w") as f:
-            f.writelines(json.dumps({"step": r["step"], **r["metrics"]}) + "\n" for r in run["rows"])
+            f.writelines(json.dumps({"step": r["step"], **r["metrics"]}) + "\n"
+                         for r in run["rows"])
         (d / "config.json").write_text(json.dumps({**run["config"], "run_group": "cmp"}))
     return root
 

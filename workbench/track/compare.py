@@ -140,15 +140,16 @@ def runs_table(runs: Sequence[RunData]) -> pd.DataFrame:
     rows = []
     for r in runs:
         m = r.metrics
-
         rows.append({"run": r.name, "recipe": r.recipe, "seed": r.seed,
                      "baseline": r.is_baseline,
                      "last_step": int(m["step"].max()) if len(m) else None,
-                     "loss": last(m, "loss", True), "val_loss": last(m, "val_loss", False), "source": r.source})
+                     "loss": last(m, "loss", True), "val_loss": last(m, "val_loss", False),
+                     "source": r.source})
     return pd.DataFrame(rows)
 
 
 def curves(runs: Sequence[RunData]) -> pd.DataFrame:
+    """All runs' metrics in long form: run, recipe, step, then the metric columns."""
     parts = [r.metrics.assign(run=r.name, recipe=r.recipe) for r in runs]
     if not parts:
         return pd.DataFrame(columns=["run", "recipe", "step"])
