@@ -1,0 +1,8 @@
+"""Triton versions of the ``workbench.formats`` codecs (bit-exact), and the CUDA fast path of
+the QAT grouped GEMM. Triton is imported on first use; without it, calls raise
+``TritonUnavailable`` naming the ``gpu`` extra and ``workbench.qat`` keeps the reference path."""
+
+from .api import SUPPORTED, TritonUnavailable, available, fake_quantize, global_amax, quantize, supports
+
+__all__ = ["SUPPORTED", "TritonUnavailable", "available", "fake_quantize", "global_amax",
+           "quantize", "supports"]

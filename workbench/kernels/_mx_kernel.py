@@ -1,0 +1,96 @@
+"""Triton MX kernel (MXFP4, MXFP8 E4M3/E5M2): one pass, one E8M0 scale per 32 elements.
+
+Mirrors ``workbench.formats.mx`` (``quantize_mx`` / ``dequantize_mx``) for the profiles whose
+scale rule is integer arithmetic on the amax bits (floor, ceil, even, rceil). The per-byte encode
+multipliers and decode scales are the reference's own tables (``mx_profiles.cached_lut``), read
+by byte, so byte-0 and byte-255 blocks behave exactly as each profile says.
+
+Shape legend: the input is viewed as ``x_BK`` [n_blocks, 32]; a program owns NB blocks.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import (bits_of, e2m1_code_rne, e2m1_value, fp8_round, pack_pairs, store_rounded,
+                      load_f32,
+                      torchao_mx_nan_code, x86_mul_nan_bits)
+
+# scale rules, as constexpr ints
+FLOOR, CEIL, EVEN, RCEIL = 0, 1, 2, 3
+# element kinds
+E2M1, E4M3, E5M2 = 0, 1, 2
+
+
+@triton.jit
+def _scale_byte(amax, nanblk, RULE: tl.constexpr, EMAX: tl.constexpr, MANT_BITS: tl.constexpr,
+                MAX_MANT: tl.constexpr, INF_BYTE: tl.constexpr):
+    ab = bits_of(amax)
+    if RULE == EVEN:
+        ab = (ab + (1 << (22 - MANT_BITS))) & 0x7F800000
+    efield = (ab >> 23) & 0xFF
+    mant = ab & 0x7FFFFF
+    k = efield - 127 - EMAX
+    if RULE == CEIL:
+        k += (mant > 0).to(tl.int32)
+    if RULE == RCEIL:
+        k += (mant > MAX_MANT).to(tl.int32)
+    byte = tl.minimum(tl.maximum(k + 127, 0), 255)
+    if RULE == RCEIL:
+        byte = tl.minimum(byte, 254)
+    if INF_BYTE >= 0:
+        byte = tl.where(bits_of(amax) == 0x7F800000, INF_BYTE, byte)
+    return tl.where(nanblk, 0xFF, byte)  # every profile served here writes 0xFF for NaN
+
+
+@triton.jit
+def mx_kernel(x_ptr, out_ptr, scale_ptr, enc_lut_ptr, dec_lut_ptr, n_blocks,
+              NB: tl.constexpr, ELEM: tl.constexpr, RULE: tl.constexpr, EMAX: tl.constexpr,
+              MANT_BITS: tl.constexpr, MAX_MANT: tl.constexpr, ELEM_MAX: tl.constexpr,
+              INF_BYTE: tl.constexpr, FAKE: tl.constexpr, BF16_BITS: tl.constexpr):
+    BLOCK: tl.constexpr = 32
+    pid = tl.program_id(0).to(tl.int64)
+    blk = pid * NB + tl.arange(0, NB)
+    bmask = blk < n_blocks
+    idx = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = bmask[:, None]
+    x = load_f32(x_ptr, idx, mask, BF16_BITS)
+
+    # torch.amax propagates NaN; GPU max reductions drop it, so NaN blocks are flagged apart.
+    nanblk = tl.max((x != x).to(tl.int32), axis=1) > 0
+    amax = tl.max(tl.abs(x), axis=1)
+    byte = _scale_byte(amax, nanblk, RULE, EMAX, MANT_BITS, MAX_MANT, INF_BYTE)
+    mult = tl.load(enc_lut_ptr + byte)[:, None]
+    v = x * mult
+    vbits = x86_mul_nan_bits(bits_of(v), x, mult)
+
+    if ELEM == E2M1:
+        code = tl.where((vbits & 0x7FFFFFFF) > 0x7F800000, torchao_mx_nan_code(vbits),
+                        e2m1_code_rne(vbits))
+        if FAKE:
+            ds = tl.load(dec_lut_ptr + byte)[:, None]
+            y = e2m1_value(code) * ds
+            store_rounded(out_ptr + idx, y, mask, BF16_BITS)
+        else:
+            oidx = blk[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+            tl.store(out_ptr + oidx, pack_pairs(code, NB, BLOCK), mask=mask)
+    else:
+        # clamp then a round-to-nearest-even cast, as the reference (NaN passes the clamp)
+        v = tl.where(v > ELEM_MAX, ELEM_MAX, tl.where(v < -ELEM_MAX, -ELEM_MAX, v))
+        if ELEM == E4M3:
+            q = fp8_round(v, 3, 0.015625, 512.0, 0.001953125)
+        else:
+            q = fp8_round(v, 2, 0.00006103515625, 65536.0, 0.0000152587890625)
+        if FAKE:
+            ds = tl.load(dec_lut_ptr + byte)[:, None]
+            store_rounded(out_ptr + idx, q * ds, mask, BF16_BITS)
+        else:
+            # q is an exact float8 value: the cast only changes the storage. NaN bytes are
+            # written as torch's CPU cast writes them (0x7F plus the sign of the CPU NaN)
+            qb = q.to(out_ptr.dtype.element_ty).to(tl.uint8, bitcast=True)
+            nan_byte = (0x7F | ((vbits >> 24) & 0x80)).to(tl.uint8)
+            qb = tl.where(v != v, nan_byte, qb)
+            tl.store(out_ptr.to(tl.pointer_type(tl.uint8)) + idx, qb, mask=mask)
+    if not FAKE:
+        tl.store(scale_ptr + blk, byte.to(tl.uint8), mask=bmask)

@@ -1,0 +1,111 @@
+"""Triton NVFP4 kernels: a per-expert amax pass, then one quantize / fake-quantize pass.
+
+Mirrors ``workbench.formats.nvfp4_profiles`` rows ``torchao`` and ``te`` operation by operation
+(true divisions as ``div_rn``; the global-scale scalars are recomputed per block from the fp32
+amax with the same fp32 operations the reference runs on the CPU, so no host round trip).
+
+Shape legend: the input is viewed as ``x_BS`` [n_blocks, 16]; blocks ``[e * bpe, (e+1) * bpe)``
+belong to expert (leading index) e, whose global amax is ``amax_ptr[e]``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import (bits_of, e2m1_code_rne, e2m1_value, fp8_round, pack_pairs, store_rounded,
+                      load_f32,
+                      torchao_nvfp4_nan_code, x86_mul_nan_bits)
+
+TORCHAO, TE = 0, 1
+FLT_MAX: tl.constexpr = 3.4028234663852886e38
+E4M3_TINY: tl.constexpr = 0.015625  # 2^-6, torchao's block-scale floor
+RCP_6: tl.constexpr = 0.1666666716337204  # fp32(1/6), TE's constant
+RCP_2688: tl.constexpr = 0.00037202380388043821  # fp32(1/2688)
+
+
+@triton.jit
+def amax_kernel(x_ptr, part_ptr, n_per_expert, n_parts, BLOCK: tl.constexpr,
+                IGNORE_NAN: tl.constexpr, BF16_BITS: tl.constexpr):
+    """Partial abs-max of ``BLOCK``-element chunks of each expert: part[e, p]."""
+    e = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    offs = p * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_per_expert
+    x = load_f32(x_ptr, e * n_per_expert + offs, mask, BF16_BITS)
+    a = tl.abs(x)
+    isnan = x != x
+    m = tl.max(tl.where(isnan, 0.0, a), axis=0)
+    if not IGNORE_NAN:
+        m = tl.where(tl.max(isnan.to(tl.int32), axis=0) > 0, float("nan"), m)
+    tl.store(part_ptr + e * n_parts + p, m)
+
+
+@triton.jit
+def nvfp4_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, n_blocks, blocks_per_expert,
+                 NB: tl.constexpr, PROFILE: tl.constexpr, FAKE: tl.constexpr,
+                 BF16_BITS: tl.constexpr):
+    BLOCK: tl.constexpr = 16
+    pid = tl.program_id(0).to(tl.int64)
+    blk = pid * NB + tl.arange(0, NB)
+    bmask = blk < n_blocks
+    idx = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    mask = bmask[:, None]
+    x = load_f32(x_ptr, idx, mask, BF16_BITS)
+    amax = tl.load(amax_ptr + blk // blocks_per_expert, mask=bmask, other=1.0)
+    isnan = x != x
+    a = tl.abs(x)
+    bamax = tl.max(tl.where(isnan, 0.0, a), axis=1)
+
+    if PROFILE == TORCHAO:
+        bamax = tl.where(tl.max(isnan.to(tl.int32), axis=1) > 0, float("nan"), bamax)
+        pts = tl.math.div_rn(amax, 2688.0)  # per_tensor_amax_to_scale
+        s = tl.math.div_rn(tl.math.div_rn(bamax, 6.0), pts)
+        s = tl.where(s < E4M3_TINY, E4M3_TINY, tl.where(s > 448.0, 448.0, s))  # NaN stays
+        sf = fp8_round(s, 3, 0.015625, 512.0, 0.001953125)
+        inv_pts = tl.math.div_rn(1.0, pts)
+        f = tl.math.div_rn(inv_pts, sf)
+        f_bits = x86_div_nan_bits(bits_of(f), inv_pts, sf)
+        f = f_bits.to(tl.float32, bitcast=True)
+        v = x * f[:, None]
+        vbits = x86_mul_nan_bits(bits_of(v), x, f[:, None])
+        code = tl.where((vbits & 0x7FFFFFFF) > 0x7F800000, torchao_nvfp4_nan_code(vbits),
+                        e2m1_code_rne(vbits))
+        dec = (pts * sf)[:, None]
+    else:
+        # compute_global_encode_scaling_factor_FP4: fminf(2688/amax, FLT_MAX), 1 for 0 / inf amax
+        s_enc = tl.math.div_rn(2688.0, amax)
+        s_enc = tl.where((s_enc > FLT_MAX) | (s_enc != s_enc), FLT_MAX, s_enc)  # fmin
+        s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+        s = bamax * (s_enc * RCP_6)
+        s = tl.where((s > FLT_MAX) | (s != s), FLT_MAX, s)
+        s = tl.where(s > 448.0, 448.0, s)  # __NV_SATFINITE
+        sf = fp8_round(s, 3, 0.015625, 512.0, 0.001953125)
+        s_dec = tl.math.div_rn(1.0, s_enc)
+        rcp = tl.math.div_rn(1.0, sf * s_dec)
+        rcp = tl.where((rcp > FLT_MAX) | (rcp != rcp), FLT_MAX, rcp)
+        v = x * rcp[:, None]
+        vbits = bits_of(v)
+        code = tl.where(isnan, 7, e2m1_code_rne(vbits))
+        # the decode-direction global round trip of fake_quantize: (amax / 2688) * 2688
+        g = tl.math.div_rn(amax, 2688.0) * 2688.0
+        dec = ((sf * g) * RCP_2688)[:, None]
+
+    if FAKE:
+        y = e2m1_value(code) * dec
+        store_rounded(out_ptr + idx, y, mask, BF16_BITS)
+    else:
+        oidx = blk[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+        tl.store(out_ptr + oidx, pack_pairs(code, NB, BLOCK), mask=mask)
+        # sf is an exact e4m3 value; a NaN scale is written as torch's cast writes it (0x7F)
+        sb = sf.to(scale_ptr.dtype.element_ty).to(tl.uint8, bitcast=True)
+        sb = tl.where(sf != sf, (0x7F | ((bits_of(sf) >> 24) & 0x80)).to(tl.uint8), sb)
+        tl.store(scale_ptr.to(tl.pointer_type(tl.uint8)) + blk, sb, mask=bmask)
+
+
+@triton.jit
+def x86_div_nan_bits(rbits, a, b):
+    ab = a.to(tl.int32, bitcast=True)
+    bb = b.to(tl.int32, bitcast=True)
+    nan_bits = tl.where(b != b, bb | 0x00400000, tl.where(a != a, ab | 0x00400000, -4194304))
+    return tl.where((rbits & 0x7FFFFFFF) > 0x7F800000, nan_bits, rbits)

@@ -1,0 +1,206 @@
+"""Host side of the Triton codecs: which recipes they serve, launches, ``QuantizedTensor`` output.
+
+``quantize`` / ``fake_quantize`` here take the same arguments as ``workbench.formats`` and return
+the same bits (tests/kernels compares them with ``rtol=0, atol=0``) for the recipes in
+``SUPPORTED``; anything else raises ``NotImplementedError`` so callers fall back to the reference.
+Inputs: contiguous or not (copied), bf16 / fp16 / fp32, any shape whose last dim is a multiple
+of the block (NVFP4 ``global_amax`` scalar or one per leading index, as the reference).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+
+import torch
+
+from workbench.formats import QuantizedTensor, format_spec, parse_recipe
+from workbench.formats.mx_profiles import PROFILES as MX_PROFILES
+from workbench.formats.mx_profiles import cached_lut
+
+_MX_RULES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3}
+SUPPORTED: dict[str, tuple[str, ...]] = {
+    "mxfp4": tuple(_MX_RULES),
+    "mxfp8_e4m3": tuple(_MX_RULES),
+    "mxfp8_e5m2": tuple(_MX_RULES),
+    "nvfp4": ("torchao", "te"),
+}
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class TritonUnavailable(ImportError):
+    pass
+
+
+@functools.lru_cache(maxsize=1)
+def _triton():
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise TritonUnavailable(
+            "workbench.kernels needs Triton: pip install 'workbench[gpu]'") from exc
+    from . import _mx_kernel, _nvfp4_kernel
+
+    return _mx_kernel, _nvfp4_kernel
+
+
+def available() -> bool:
+    """Triton imports (the kernels also need CUDA tensors unless TRITON_INTERPRET=1)."""
+    try:
+        _triton()
+    except TritonUnavailable:
+        return False
+    return True
+
+
+def supports(fmt, profile=None) -> bool:
+    r = parse_recipe(fmt, profile)
+    return r.profile in SUPPORTED.get(r.fmt, ())
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _blocks_per_program(n_blocks: int, block: int) -> int:
+    if _interpret():
+        # the interpreter costs ~5 ms per program: few, big programs
+        return max(16, min(4096, triton_next_pow2(n_blocks)))
+    return 4096 // block  # 4096 elements (8 KiB of bf16) per program
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _check(x: torch.Tensor, fmt: str, profile: str | None):
+    recipe = parse_recipe(fmt, profile)
+    if recipe.profile not in SUPPORTED.get(recipe.fmt, ()):
+        raise NotImplementedError(
+            f"no Triton kernel for {recipe}; kernels cover {SUPPORTED} (use workbench.formats)")
+    if not isinstance(x, torch.Tensor) or x.dtype not in _FLOATS:
+        raise TypeError(f"quantize expects a bf16/fp16/fp32 tensor, got {getattr(x, 'dtype', x)}")
+    spec = format_spec(recipe.fmt)
+    if x.dim() == 0 or x.shape[-1] % spec.block:
+        raise ValueError(f"{recipe.fmt} blocks are {spec.block} wide along the last dim; shape "
+                         f"{tuple(x.shape)} cannot be blocked (workbench.formats pads with pad=True)")
+    if not (x.is_cuda or _interpret()):
+        raise ValueError("Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
+    return recipe, spec
+
+
+def _run_mx(x, recipe, spec, fake: bool):
+    mxk, _ = _triton()
+    prof = MX_PROFILES[recipe.profile]
+    x = x.contiguous()
+    n_blocks = x.numel() // 32
+    dev = str(x.device)
+    enc = cached_lut("encode", prof.name, dev, torch.float32)
+    dec = cached_lut("decode", prof.name, dev, torch.float32)
+    elem = {"e2m1": 0, "e4m3": 1, "e5m2": 2}[spec.element]
+    if fake:
+        out, scale = torch.empty_like(x), x  # scale_ptr unused
+    else:
+        shape = (*x.shape[:-1], x.shape[-1] // 2) if spec.packed else tuple(x.shape)
+        out = torch.empty(shape, dtype=spec.elem_dtype, device=x.device)
+        scale = torch.empty((*x.shape[:-1], x.shape[-1] // 32), dtype=torch.uint8, device=x.device)
+    if n_blocks == 0:
+        return out, scale
+    nb = _blocks_per_program(n_blocks, 32)
+    max_mant = struct.unpack("<I", struct.pack("<f", spec.elem_max))[0] & 0x7FFFFF
+    mxk.mx_kernel[(triton_cdiv(n_blocks, nb),)](
+        _bits(x), _bits(out), scale, enc, dec, n_blocks, NB=nb, ELEM=elem, RULE=_MX_RULES[prof.scale_rule],
+        EMAX=spec.elem_emax, MANT_BITS=spec.elem_mantissa_bits, MAX_MANT=max_mant,
+        ELEM_MAX=spec.elem_max, INF_BYTE=-1 if prof.inf_byte is None else prof.inf_byte,
+        FAKE=fake, BF16_BITS=x.dtype == torch.bfloat16, num_warps=4)
+    return out, scale
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    # bf16 travels as its int16 bits (see _common.load_f32)
+    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def global_amax(x: torch.Tensor, *, per_leading: bool, ignore_nan: bool) -> torch.Tensor:
+    """fp32 abs-max of ``x`` (0-dim), or one per leading index (``[E, 1, ...]``), in two light
+    passes (partial maxima, then torch's max over them). NaN propagates unless ``ignore_nan``."""
+    _, nvk = _triton()
+    x = x.contiguous()
+    n_exp = x.shape[0] if per_leading else 1
+    n_per = x.numel() // max(n_exp, 1)
+    chunk = 1 << 20 if _interpret() else 16384
+    n_parts = max(1, triton_cdiv(n_per, chunk))
+    part = torch.empty((n_exp, n_parts), dtype=torch.float32, device=x.device)
+    if n_per:
+        nvk.amax_kernel[(n_exp, n_parts)](_bits(x), part, n_per, n_parts, BLOCK=chunk,
+                                          IGNORE_NAN=ignore_nan,
+                                          BF16_BITS=x.dtype == torch.bfloat16, num_warps=8)
+    else:
+        part.zero_()
+    amax = part.amax(dim=1)  # torch.amax propagates NaN: a NaN partial wins
+    if per_leading:
+        return amax.reshape((n_exp,) + (1,) * (x.dim() - 1))
+    return amax.reshape(())
+
+
+def _run_nvfp4(x, recipe, global_amax_arg, fake: bool):
+    _, nvk = _triton()
+    x = x.contiguous()
+    if x.numel() == 0:
+        raise ValueError(f"cannot quantize an empty tensor of shape {list(x.shape)}")
+    n_blocks = x.numel() // 16
+    if global_amax_arg is None:
+        amax = global_amax(x, per_leading=False, ignore_nan=recipe.profile == "te")
+    else:
+        amax = torch.as_tensor(global_amax_arg, dtype=torch.float32, device=x.device)
+        per_expert = (x.shape[0],) + (1,) * (x.dim() - 1)
+        if not ((x.dim() >= 2 and tuple(amax.shape) == per_expert) or amax.numel() == 1):
+            raise ValueError(f"global_amax must be a scalar or shape {list(per_expert)} for an "
+                             f"input of shape {list(x.shape)}, got shape {list(amax.shape)}")
+    amax_flat = amax.reshape(-1).contiguous()
+    bpe = n_blocks // amax_flat.numel()
+    if fake:
+        out, scale = torch.empty_like(x), x
+    else:
+        out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8, device=x.device)
+        scale = torch.empty((*x.shape[:-1], x.shape[-1] // 16), dtype=torch.float8_e4m3fn,
+                            device=x.device)
+    nb = _blocks_per_program(n_blocks, 16)
+    nvk.nvfp4_kernel[(triton_cdiv(n_blocks, nb),)](
+        _bits(x), _bits(out), scale, amax_flat, n_blocks, bpe, NB=nb,
+        PROFILE={"torchao": 0, "te": 1}[recipe.profile], FAKE=fake,
+        BF16_BITS=x.dtype == torch.bfloat16, num_warps=4)
+    return out, scale, amax
+
+
+def quantize(x: torch.Tensor, fmt, profile: str | None = None, *,
+             global_amax: torch.Tensor | None = None) -> QuantizedTensor:
+    """``workbench.formats.quantize`` (without ``pad``) on the GPU."""
+    recipe, spec = _check(x, fmt, profile)
+    if spec.scale == "e8m0":
+        data, scale = _run_mx(x, recipe, spec, fake=False)
+        gs = None
+    else:
+        from workbench.formats.nvfp4 import from_library_global
+        from workbench.formats.nvfp4_profiles import get_profile
+
+        data, scale, amax = _run_nvfp4(x, recipe, global_amax, fake=False)
+        # the stored global: the reference's own scalar arithmetic on the amax
+        g = get_profile(recipe.profile).global_from_amax(amax)
+        gs = from_library_global(g, recipe.profile)
+    return QuantizedTensor(recipe.fmt, recipe.profile, data, scale, gs, tuple(x.shape))
+
+
+def fake_quantize(x: torch.Tensor, fmt, profile: str | None = None, *,
+                  global_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """``workbench.formats.fake_quantize`` in one pass (plus an amax pass for NVFP4 without
+    ``global_amax``): same shape, dtype and bits."""
+    recipe, spec = _check(x, fmt, profile)
+    if spec.scale == "e8m0":
+        return _run_mx(x, recipe, spec, fake=True)[0]
+    return _run_nvfp4(x, recipe, global_amax, fake=True)[0]
