@@ -9,18 +9,46 @@ so nothing is clipped by design except by FLOOR-style scale rules.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from workbench.formats import Recipe, fake_quantize
+
+_log = logging.getLogger(__name__)
+_LOGGED: set[tuple[str, str, str]] = set()
+
+
+def _kernels(x: torch.Tensor, recipe: Recipe):
+    """``workbench.kernels`` when it serves this CUDA tensor and recipe (same bits), else None.
+    The choice is logged once per (format, profile, path)."""
+    mod = None
+    if x.is_cuda:
+        from workbench import kernels
+
+        if kernels.supports(recipe) and kernels.available():
+            mod = kernels
+    key = (recipe.fmt, recipe.profile, "triton" if mod else "reference")
+    # logging inside a torch.compile trace would break the graph: log from eager calls only
+    if key not in _LOGGED and not torch.compiler.is_compiling():
+        _LOGGED.add(key)
+        _log.info("fake quantization %s on %s: %s path", recipe, x.device.type, key[2])
+    return mod
 
 
 def _fq(x: torch.Tensor, recipe: Recipe, dim: int, per_leading: bool) -> torch.Tensor:
     if dim not in (-1, x.dim() - 1):
         return _fq(x.transpose(dim, -1).contiguous(), recipe, -1, per_leading).transpose(dim, -1)
+    fast = _kernels(x, recipe)
     if recipe.fmt == "nvfp4" and per_leading and x.dim() == 3:
         # One NVFP4 per-tensor scale per expert, as each expert Linear has in a checkpoint.
+        if fast is not None:
+            amax = fast.global_amax(x.detach(), per_leading=True, ignore_nan=False)
+            return fast.fake_quantize(x, recipe, global_amax=amax)
         amax = x.detach().abs().amax(dim=(-2, -1), keepdim=True).float()
         return fake_quantize(x, recipe, global_amax=amax)
+    if fast is not None:
+        return fast.fake_quantize(x, recipe)
     return fake_quantize(x, recipe)
 
 
