@@ -28,7 +28,8 @@ sys.path.insert(0, str(REPO))
 
 # Expert-heavy model for the memory part: 2 MoE layers x 32 experts x 3 x 512x512 = 50M expert
 # parameters (200 MB fp32 at EP1), small dense part.
-MEM_MODEL = dict(hidden_size=512, expert_ffn=512, num_experts=32, num_layers=2, dense_ffn=512)
+MEM_MODEL = {"hidden_size": 512, "expert_ffn": 512, "num_experts": 32, "num_layers": 2,
+             "dense_ffn": 512}
 
 
 def throughput(preset: str, steps: int, batch: int, seq: int) -> list[dict]:

@@ -1,7 +1,6 @@
 """Under torchrun: EP-sharded packed export, and --init from a packed checkpoint (local experts)."""
 
 import json
-import os
 import sys
 
 import torch

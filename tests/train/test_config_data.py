@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import lzma
-from pathlib import Path
 
 import pytest
 import torch
@@ -74,7 +73,7 @@ def test_corpus_rejects_tampering(tmp_path):
 
 def test_global_batch_deterministic_and_sliced_by_rank():
     c = load_corpus()
-    kw = dict(seed=3, batch=8, seq=16)
+    kw = {"seed": 3, "batch": 8, "seq": 16}
     a = global_batch(c.train, index=5, **kw)
     assert a.shape == (8, 17) and a.dtype == torch.int64
     assert torch.equal(a, global_batch(c.train, index=5, **kw))

@@ -8,8 +8,8 @@ import os
 
 import pytest
 import torch
-
 from conftest import TINY
+
 from workbench.checkpoint.export import ct_quantization_config, export_model
 from workbench.formats import dequantize
 
@@ -164,7 +164,7 @@ def test_transformers_nvfp4_experts_bug_is_still_there(trained):
     model, packed, path = trained("nvfp4")
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     tensors = _load(path)
-    name, mod = _experts(model)[0]
+    name, _ = _experts(model)[0]
     loaded = hf.get_parameter(f"{name}.down_proj")[0].float()  # [D, F] of expert 0
     ours = dequantize(packed[f"{name}.w2"], torch.float32)[0]
     gs = tensors[f"{name}.0.down_proj.weight_global_scale"].item()

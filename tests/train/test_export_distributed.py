@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, env
 
 pytestmark = pytest.mark.distributed
@@ -36,7 +35,7 @@ def test_ep2_export_equals_ep1_and_init_reads_local_experts(tmp_path):
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node=2", str(worker), str(ep2), str(ep1),
                         str(tmp_path / "report")], env=env(), cwd=REPO, capture_output=True,
-                       text=True, timeout=300)
+                       text=True, timeout=300, check=False)
     assert p.returncode == 0, p.stderr[-5000:]
 
     idx1 = json.loads((ep1 / "model.safetensors.index.json").read_text())["weight_map"]

@@ -7,7 +7,6 @@ the last complete checkpoint.
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -17,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, TINY, command, env, metrics, run
+
 from workbench.train.checkpointing import list_complete
 
 STEPS = 16
@@ -98,7 +97,7 @@ def test_sigkill_inside_checkpoint_write_leaves_no_complete_checkpoint(tmp_path,
             "--ckpt-every", "4", "--val-every", "0"]
     p = subprocess.run([sys.executable, str(Path(__file__).with_name("crash_in_save.py")), *args],
                        env={**env(), "CRASH_STEP": "8"}, cwd=REPO, capture_output=True, text=True,
-                       timeout=240)
+                       timeout=240, check=False)
     assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
     root = out / "checkpoints"
     tmp = root / ".tmp-step_00000008"

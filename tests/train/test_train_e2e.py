@@ -6,8 +6,8 @@ import json
 import math
 
 import pytest
-
 from conftest import TINY, metrics, run
+
 from workbench.train.checkpointing import list_complete
 from workbench.train.cli import main
 

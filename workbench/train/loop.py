@@ -23,13 +23,12 @@ import json
 import math
 import os
 import resource
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from workbench.train import checkpointing as ckpt
 from workbench.train.build import build

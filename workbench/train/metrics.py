@@ -21,7 +21,7 @@ def _clean(v: Any) -> Any:
 class MetricsWriter:
     def __init__(self, out: str | Path) -> None:
         self.path = Path(out) / METRICS_FILE
-        self._f = open(self.path, "a", encoding="utf-8")
+        self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held for the run
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
@@ -55,8 +55,7 @@ def truncate_metrics(out: str | Path, step: int) -> None:
     keep = [r for r in read_metrics(out) if int(r.get("step", -1)) <= step]
     tmp = path.with_suffix(".jsonl.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        for r in keep:
-            f.write(json.dumps(r) + "\n")
+        f.writelines(json.dumps(r) + "\n" for r in keep)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
