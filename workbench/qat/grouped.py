@@ -55,6 +55,11 @@ def grouped_mm(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor, *,
         w_EOI = fake_quant_ste(w_EOI, parse_recipe(weight), per_leading=True)
     if act is not None:
         x_TI = fake_quant_ste(x_TI, parse_recipe(act))
+    if x_TI.is_cuda:
+        from workbench.kernels import grouped as fast
+
+        if fast.usable(x_TI, w_EOI, ends[-1] if ends else 0):
+            return fast.grouped_mm_cuda(x_TI, w_EOI, offs, ends[-1])
     # A loop over experts is the readable reference and is exact on CPU. torch._grouped_mm runs
     # on CPU in torch 2.13 but its backward rejects expanded (stride-0) gradients such as the
     # one from `y.sum()`, and it leaves rows past offs[-1] uninitialised.
