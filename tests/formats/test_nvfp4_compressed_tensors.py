@@ -31,11 +31,15 @@ from compressed_tensors.quantization.utils.helpers import (
 SCHEME = ct_q.preset_name_to_scheme("NVFP4A16", ["Linear"])
 
 
-def compressed_tensors_reference(x: torch.Tensor):
-    """What an NVFP4A16 calibration + compression of weight ``x`` stores, and its decompression."""
-    xf = x.float()
-    g = generate_gparam(xf.amin(), xf.amax())
-    xb = xf.reshape(x.shape[0], -1, 16)
+def compressed_tensors_reference(x: torch.Tensor, stats_dtype: torch.dtype | None = None):
+    """What an NVFP4A16 calibration + compression of weight ``x`` stores, and its decompression.
+
+    The min/max statistics are taken in the weight's own dtype, as llm-compressor's observers
+    and our checkpoint fixtures do, unless ``stats_dtype`` says otherwise.
+    """
+    xs = x if stats_dtype is None else x.to(stats_dtype)
+    g = generate_gparam(xs.amin(), xs.amax())
+    xb = xs.reshape(x.shape[0], -1, 16)
     scale, _ = calculate_qparams(xb.amin(-1), xb.amax(-1), SCHEME.weights, global_scale=g)
     sd = NVFP4PackedCompressor.compress({"weight": x, "weight_scale": scale,
                                          "weight_global_scale": g}, SCHEME)
@@ -57,10 +61,22 @@ def check_against_compressed_tensors(x: torch.Tensor) -> None:
     assert same_bits(ours, deq), first_difference(ours, deq)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 50.0])
 def test_gaussian_matches_compressed_tensors(dtype, scale):
     check_against_compressed_tensors(gaussian((64, 256), dtype, seed=8, scale=scale))
+
+
+def test_fp32_statistics_are_the_fp32_input_route():
+    # bf16 statistics round 2688/amax and amax/6 to bf16; an fp32 observer does not. Feeding the
+    # profile x.float() (an exact upcast) reproduces the fp32-statistics checkpoint instead.
+    x = gaussian((32, 128), torch.bfloat16, seed=19, scale=0.37)
+    packed, scale, g, _, _ = compressed_tensors_reference(x, stats_dtype=torch.float32)
+    p32 = quantize_nvfp4_parts(x.float(), "compressed-tensors")
+    assert torch.equal(p32.data, packed) and same_bits(p32.scale, scale)
+    assert same_bits(p32.library_global, g.reshape(()))
+    p16 = quantize_nvfp4_parts(x, "compressed-tensors")
+    assert not same_bits(p16.library_global, p32.library_global)  # the routes really differ
 
 
 def test_zero_blocks_get_eps_scale_and_zero_tensor_gets_unit_global():
@@ -117,7 +133,7 @@ def test_given_weight_global_scale_matches_compressed_tensors():
     # compress() takes whatever weight_global_scale calibration produced, e.g. a shared one.
     x = gaussian((8, 64), torch.bfloat16, seed=18)
     g = torch.tensor([357.25])
-    xb = x.float().reshape(8, -1, 16)
+    xb = x.reshape(8, -1, 16)
     scale, _ = calculate_qparams(xb.amin(-1), xb.amax(-1), SCHEME.weights, global_scale=g)
     sd = NVFP4PackedCompressor.compress({"weight": x, "weight_scale": scale,
                                          "weight_global_scale": g}, SCHEME)

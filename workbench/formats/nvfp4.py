@@ -10,8 +10,10 @@ steps, transcribed from its source (versions pinned in pyproject's ``dev`` extra
   the ``quantization_and_transposition_SF`` variant used by ``quantize_transpose_nvfp4``) and
   ``dequantize_nvfp4.cuh``. TE cannot run here; ``nvfp4_profiles.py`` says what is assumed for NaN.
 - ``modelopt-export``: ModelOpt 0.47 ``NVFP4QTensor.quantize`` / ``dequantize``.
-- ``compressed-tensors``: 0.20.1 ``generate_gparam`` + ``calculate_qparams`` (fp32 observer
-  statistics) + ``quantize_and_pack_fp4`` / ``NVFP4PackedCompressor.decompress``.
+- ``compressed-tensors``: 0.20.1 ``generate_gparam`` + ``calculate_qparams`` fed the weight's own
+  min/max (bf16 weights: bf16 statistics, as llm-compressor's observers and our checkpoint
+  fixtures do; quantize ``x.float()`` for fp32 statistics) + ``quantize_and_pack_fp4`` /
+  ``NVFP4PackedCompressor.decompress``.
 
 ``QuantizedTensor.global_scale`` is always the decode-direction fp32 scale ``d``
 (x ~ code * scale * d). Each library stores its own form (``library_global``): torchao and ModelOpt
@@ -109,6 +111,11 @@ def _per_tensor(x: Tensor, value: Tensor | float, name: str) -> Tensor:
     )
 
 
+def _stats(amax: Tensor, x: Tensor, prof: NVFP4Profile) -> Tensor:
+    """An amax (exact in x's dtype) in the dtype the profile's library computes scales in."""
+    return amax.to(x.dtype) if prof.stats_in_input_dtype else amax
+
+
 def _tile_amax(x_RBS: Tensor, amax: Callable[..., Tensor], tile_rows: int) -> Tensor:
     """Block amax over ``tile_rows`` x 16 tiles, repeated on every row of the tile."""
     if tile_rows == 1:
@@ -178,9 +185,9 @@ def quantize_nvfp4_parts(
     elif global_amax is not None:
         g = prof.global_from_amax(_per_tensor(x, global_amax, "global_amax"))
     else:
-        g = prof.global_from_amax(prof.amax(xf))
+        g = prof.global_from_amax(_stats(prof.amax(xf), x, prof))
     x_RBS = _blocks(xf)
-    s_RB = prof.block_scale(_tile_amax(x_RBS, prof.amax, tile_rows), g)
+    s_RB = prof.block_scale(_stats(_tile_amax(x_RBS, prof.amax, tile_rows), x, prof), g)
     v_RBS = prof.scaled(x_RBS, s_RB, g)
     data = pack_fp4(_round(v_RBS, prof).reshape(x.shape))
     return NVFP4Parts(data, s_RB, from_library_global(g, profile), g)

@@ -143,17 +143,20 @@ def _modelopt_decode(c: Tensor, s: Tensor, wsf2: Tensor) -> Tensor:
 
 
 def _ct_global(amax: Tensor) -> Tensor:
-    # generate_gparam: 2688 / max(amax, tiny), NaN and +-inf replaced by 1 (an amax of inf gives 0).
-    # `2688.0 / tensor` is what the library writes; torch evaluates it as reciprocal(amax) * 2688,
-    # which differs from a true division in the last bit for some amax. Keep the same expression.
-    g = NVFP4_GLOBAL_DIVISOR / amax.clamp(min=torch.finfo(torch.float32).tiny)
-    return torch.nan_to_num(g, nan=1.0, posinf=1.0, neginf=1.0)
+    # generate_gparam: 2688 / max(amax, tiny), NaN and +-inf replaced by 1 (an amax of inf gives
+    # 0), in amax's dtype, then fp32. `2688.0 / tensor` is what the library writes; torch
+    # evaluates it as reciprocal(amax) * 2688, which differs from a true division in the last bit
+    # for some amax. Keep the same expression.
+    g = NVFP4_GLOBAL_DIVISOR / amax.clamp(min=torch.finfo(amax.dtype).tiny)
+    return torch.nan_to_num(g, nan=1.0, posinf=1.0, neginf=1.0).float()
 
 
 def _ct_block_scale(bamax: Tensor, g: Tensor) -> Tensor:
-    # calculate_qparams: global * (amax / 6), rounded to e4m3 after a +-448 clamp, then zeros
-    # (including scales that underflow e4m3) replaced by the e4m3 "eps" 0.125.
-    s = (g * (bamax / E2M1_MAX)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    # calculate_qparams: global * (amax / 6) (the division in bamax's dtype, the product in fp32),
+    # rounded to e4m3 after a +-448 clamp, then zeros (including scales that underflow e4m3)
+    # replaced by the e4m3 "eps" 0.125.
+    s = (g * (bamax / E2M1_MAX).float()).clamp(-E4M3_MAX, E4M3_MAX)
+    s = s.to(torch.float8_e4m3fn).float()
     return torch.where(s == 0, torch.full_like(s, 0.125), s).to(torch.float8_e4m3fn)
 
 
@@ -182,6 +185,10 @@ class NVFP4Profile:
     zero_sign: str  # "signbit": -0.0 and tiny negatives get 0x8; "negative": only x < 0 does
     nan_code: Callable[[Tensor], Tensor] | None  # code for a NaN element; None: see restrictions
     decode_neg_zero: bool = True  # False: code 0x8 decodes to +0.0 (ModelOpt's table)
+    # True: amax-derived scales are computed in the input's dtype, as a library does that is fed
+    # the weight's own min/max (compressed-tensors: bf16 weights give bf16 `2688 / amax` and
+    # `amax / 6`). Passing x.float() gives the fp32-statistics result; exact upcast, same codes.
+    stats_in_input_dtype: bool = False
 
     def __post_init__(self) -> None:
         if self.global_form not in ("decode", "amax", "encode"):
@@ -224,7 +231,7 @@ PROFILES: dict[str, NVFP4Profile] = {
         name="compressed-tensors", global_form="encode", amax=_amax_propagating,
         global_from_amax=_ct_global, block_scale=_ct_block_scale,
         scaled=_ct_scaled, decode=_ct_decode,
-        zero_sign="negative", nan_code=None,
+        zero_sign="negative", nan_code=None, stats_in_input_dtype=True,
     ),
 }
 
