@@ -27,7 +27,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 EMBEDDING_LEAVES = ("embed_tokens", "wte", "wpe", "word_embeddings", "embeddings", "embed",
@@ -62,25 +62,31 @@ def infer_class(name: str, shape: Sequence[int] | None = None) -> str | None:
 class Pattern:
     text: str
     style: str = "ct"  # "ct" | "hf" | "glob"
+    _rx: re.Pattern | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.style not in ("ct", "hf", "glob"):
             raise ValueError(f"pattern style must be ct, hf or glob, got {self.style!r}")
         if not isinstance(self.text, str) or not self.text:
             raise ValueError(f"pattern must be a non-empty string, got {self.text!r}")
-        if self.style == "ct" and self.text.startswith("re:"):
-            re.compile(self.text[3:])
+        t, rx = self.text, None
+        if self.style == "ct" and t.startswith("re:"):
+            rx = re.compile(t[3:])
+        elif self.style == "hf":  # transformers.quantizers.quantizers_utils.should_convert_module
+            rx = re.compile(rf"(?:{t})(?:(?<=\.)|(?=\.|$))")
+        elif self.style == "glob":
+            rx = re.compile(fnmatch.translate(t))
+        object.__setattr__(self, "_rx", rx)  # compiled once: checkpoints have ~10^5 names
 
     def matches(self, module: str, cls: str | None) -> bool:
-        t = self.text
+        t, rx = self.text, self._rx
         if self.style == "ct":
-            if t.startswith("re:"):
-                return re.match(t[3:], module) is not None
+            if rx is not None:
+                return rx.match(module) is not None
             return t == module or (cls is not None and t == cls)
-        if self.style == "hf":  # transformers.quantizers.quantizers_utils.should_convert_module
-            boundary = r"(?:(?<=\.)|(?=\.|$))"
-            return re.match(rf"(?:{t}){boundary}", module) is not None or module.endswith(t)
-        return fnmatch.fnmatchcase(module, t)
+        if self.style == "hf":
+            return rx.match(module) is not None or module.endswith(t)
+        return rx.match(module) is not None  # fnmatch.fnmatchcase
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,7 @@ def _group(names: list[str], layout: str):
     groups: dict[str, dict[str, str]] = {}
     extras = []
     for n in names:
-        q = _EP.search(n)
+        q = _EP.search(n) if "@" in n else None
         plain, qual = (n[: q.start()], q.group()) if q else (n, "")
         module, param = split_name(plain)
         if EXTRA_PARAMS.fullmatch(param):
