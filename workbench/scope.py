@@ -130,6 +130,11 @@ class QuantScope:
         if names is not None:
             self.add_names(names)
 
+    @property
+    def stored(self) -> dict[str, Any] | None:
+        """name -> recipe when decisions come from stored companions, not patterns."""
+        return None if self._stored is None else dict(self._stored)
+
     # -- construction -----------------------------------------------------------------------
     def add_names(self, names: Mapping[str, Sequence[int] | None] | Iterable[str]) -> None:
         items = names.items() if isinstance(names, Mapping) else ((n, None) for n in names)

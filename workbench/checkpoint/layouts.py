@@ -197,7 +197,7 @@ def _public_scope(scope: QuantScope, layout: str, shapes) -> QuantScope:
             return Recipe(FMT_OF_CODEC[codec], STORED_PROFILE[layout])
         return codec
 
-    stored = None if scope._stored is None else {n: public(c) for n, c in scope._stored.items()}
+    stored = None if scope.stored is None else {n: public(c) for n, c in scope.stored.items()}
     rules = [Rule(r.name, r.targets, public(r.recipe)) for r in scope.rules]
     return QuantScope(rules, scope.ignore, label=scope.label, names=shapes, stored=stored)
 
