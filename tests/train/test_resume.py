@@ -76,10 +76,13 @@ def _assert_same_curve(resumed: list[dict], ref: list[dict]) -> None:
             (b["step"], b["loss"], b["grad_norm"], b["lr"], b["aux_loss"])
 
 
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.distributed)])
-def test_sigkill_then_resume_is_bit_exact(tmp_path, reference_runs, nproc):
+@pytest.mark.parametrize("nproc, recipe", [(1, "mxfp4"),
+                                           pytest.param(2, "mxfp4", marks=pytest.mark.distributed),
+                                           pytest.param(2, "bf16", marks=[pytest.mark.distributed,
+                                                                          pytest.mark.slow])])
+def test_sigkill_then_resume_is_bit_exact(tmp_path, reference_runs, nproc, recipe):
     out = tmp_path / "run"
-    args = [*TINY, "--recipe", "bf16", "--steps", str(STEPS), "--out", str(out),
+    args = [*TINY, "--recipe", recipe, "--steps", str(STEPS), "--out", str(out),
             "--ckpt-every", "4", "--val-every", "0", "--keep", "3"]
     _kill_after(nproc, args, out, step=6)
     assert not (out / "result.json").exists(), "the run finished before the kill"
@@ -88,7 +91,7 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path, reference_runs, nproc):
     assert metrics(out)[-1]["step"] >= 6
     p = run(nproc, [*args, "--resume"])
     assert f"resumed from {out / 'checkpoints' / f'step_{last:08d}'}" in p.stdout
-    _assert_same_curve(metrics(out), reference_runs(nproc, "bf16", STEPS))
+    _assert_same_curve(metrics(out), reference_runs(nproc, recipe, STEPS))
 
 
 def test_sigkill_inside_checkpoint_write_leaves_no_complete_checkpoint(tmp_path, reference_runs):
