@@ -142,3 +142,30 @@ def test_worked_bytes_from_the_spec():
     x[0, 0] = 448.0  # compressed-tensors uses the FP4 threshold for MXFP8: 448 = 1.75 * 2^8 bumps
     assert quantize(x, "mxfp8_e4m3", "compressed-tensors").scale.item() == 128
     assert quantize(x, "mxfp8_e4m3", "rceil").scale.item() == 127
+
+
+@pytest.mark.parametrize("fmt", MX)
+def test_rceil_equals_transformer_engine_formula(fmt):
+    """TE (and the cvt.rp.satfinite.ue8m0x2.f32 path of cuBLAS / torchao compiled) computes
+    ``amax * fl(1/max)`` in fp32 and rounds that up to a power of two. Transcribed here in numpy
+    (TE cannot be installed on this machine): it equals ``rceil`` on every bf16 amax and on fp32
+    amaxes +-40 ulps around every max * 2^k. Left out: descales below 2^-126 (fp32 subnormals),
+    where the byte depends on how cvt.rp treats a subnormal input (not checked on hardware)."""
+    np = pytest.importorskip("numpy")
+    emax = FORMATS[fmt].elem_max
+    ks = torch.arange(-120, 125)
+    base = torch.ldexp(torch.full(ks.shape, emax, dtype=torch.float64), ks).float()
+    edges, up, down = [base], base, base
+    for _ in range(40):
+        up = torch.nextafter(up, torch.tensor(float("inf")))
+        down = torch.nextafter(down, torch.tensor(0.0))
+        edges += [up, down]
+    amax = torch.cat([positive_finite_bf16(), *edges])
+    amax = amax[torch.isfinite(amax) & (amax > emax * 2.0**-126)]
+    a = amax.numpy()
+    with np.errstate(over="ignore"):
+        descale = (a * (np.float32(1.0) / np.float32(emax))).astype(np.float32)
+    te = ((descale.view(np.uint32).astype(np.uint64) + 0x7FFFFF) & 0x7F800000) >> 23
+    te = torch.from_numpy(np.minimum(te, 254).astype(np.uint8))  # satfinite
+    q = quantize(amax_blocks(amax, torch.float32), fmt, "rceil")
+    assert torch.equal(q.scale[:, 0], te), first_difference(q.scale[:, 0], te)

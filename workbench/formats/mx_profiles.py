@@ -105,10 +105,13 @@ PROFILES: dict[str, MXProfile] = {
     "floor": _torchao("floor", "floor"),
     "ceil": _torchao("ceil", "ceil"),
     "even": _torchao("even", "even"),
-    # The exact 2^ceil(log2(amax/max)) of cuBLAS / TE (cvt.rp.satfinite.ue8m0x2.f32) and torchao's
-    # compiled sm100 path; torchao's CPU eager path equals it for every bf16 input (tested
-    # exhaustively) and differs only for fp32 amax a few ulps above max*2^k ("torchao-rceil").
-    # Specials as torchao/TE: NaN -> 0xFF, Inf -> 0xFE, byte-0 blocks encoded with 1.0 (so zero).
+    # The exact 2^ceil(log2(amax/max)). TE's formula (cvt.rp.satfinite.ue8m0x2.f32 of
+    # amax * fl(1/max), also cuBLAS's and torchao's compiled sm100 path) gives the same byte for
+    # every bf16 amax and at fp32 ulp edges (tested against a transcription) except, unverified,
+    # where amax/max is an fp32 subnormal. torchao's CPU eager path equals it for every bf16
+    # input and differs only for fp32 amax a few ulps above max*2^k ("torchao-rceil").
+    # Specials as torchao/TE (exp2f_rcp): NaN -> 0xFF, Inf -> 0xFE, byte-0 blocks encoded with
+    # 1.0 (so they quantize to zero).
     "rceil": MXProfile("rceil", "rceil", nan_byte=0xFF, inf_byte=0xFE, enc_byte0=1.0,
                        enc_byte255=_NAN, ties="even", sign="bits", nan_amax="propagate",
                        dec_byte0=_TWO_M127, dec_byte255="nan", dec_saturate=False,
