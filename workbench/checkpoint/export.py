@@ -10,7 +10,9 @@ Two layouts:
   compressed-tensors' ENCODE direction (2688/amax, i.e. the reciprocal of the workbench's decode
   scale). Everything else stays BF16. `config.json` carries the `quantization_config` that
   `ModelCompressor.update_config` writes, with `config_groups` targets and `ignore` taken from the
-  QuantScope (only the scope patterns that select an exported tensor are written).
+  QuantScope (only the scope patterns that select an exported tensor are written). The scheme is
+  weights-only (compressed-tensors' MXFP4A16 / NVFP4A16): for `mxfp4+mxfp8` the MXFP8 activation
+  fake quantization was a training-time choice and is not recorded as `input_activations`.
 
 Every EP rank writes its own shard (rank 0 adds the dense tensors) into a temporary folder; rank 0
 merges one `model.safetensors.index.json`, writes `config.json`, fsyncs and renames the folder into

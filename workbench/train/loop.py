@@ -158,6 +158,10 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
     tokens_per_step = cfg.batch * cfg.seq
     meta = {"recipe": cfg.recipe, "preset": cfg.preset, "seed": cfg.seed}
 
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=cfg.steps, initial=start, desc=f"train {cfg.recipe}", unit="step",
+               disable=not info.is_main, mininterval=1.0)
     stopped = False
     last_saved = start if found is not None else -1
     last: dict[str, Any] = {}
@@ -203,12 +207,15 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
                 if on_step is not None:
                     on_step(rec)
             last = rec
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             if cfg.ckpt_every and step % cfg.ckpt_every == 0 and step < cfg.steps:
                 ckpt.save(out, model, opt, sched, step, info, keep=cfg.keep, meta=meta)
                 last_saved = step
         if last_saved != step:  # final or preemption checkpoint
             ckpt.save(out, model, opt, sched, step, info, keep=cfg.keep, meta=meta)
     finally:
+        bar.close()
         if writer is not None:
             writer.close()
 
