@@ -287,3 +287,45 @@ def special_tensor(seed: int, shape: tuple[int, ...], dtype: torch.dtype,
     if "tiny" in specials:
         flat[spots(3)] = torch.tensor([1e-30, -1e-38, 2.0**-127], dtype=torch.float64)
     return x.to(dtype)
+
+
+def modelopt_mx_fake_quant_reference(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """numpy transcription of ModelOpt 0.47's CUDA MX fake quant (``tensor_quant_mx.cu``:
+    ``compute_scale_e8m0_NV`` + ``quantize``; it needs a GPU to run). Finite inputs only.
+
+    ratio = fl(amax / max); exponent = field - 126 when the significand is non-zero (a round-up
+    of the rounded ratio), with its subnormal and 0xFE exceptions; scale = 2^-e, unscale = 2^e;
+    element = sign * convert(|x| * scale) * unscale, convert = RNE table (E2M1) or the
+    saturating fp8 cast. Returns fp32 values (the kernel writes them in the input dtype).
+    """
+    import ml_dtypes
+    import numpy as np
+
+    emax = {"mxfp4": 6.0, "mxfp8_e4m3": 448.0, "mxfp8_e5m2": 57344.0}[fmt]
+    f = x.float().numpy().reshape(*x.shape[:-1], -1, 32)
+    amax = np.abs(f).max(-1, keepdims=True)
+    ratio = (amax / np.float32(emax)).astype(np.float32)
+    bits = ratio.view(np.uint32)
+    field, sig = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    bump = (sig > 0) & (field != 0xFE) & ~((field == 0) & (sig <= 0x400000))
+    e = np.where(bump, field.astype(np.int64) - 126, field.astype(np.int64) - 127)
+    scale = np.ldexp(np.float32(1), -e).astype(np.float32)
+    unscale = np.ldexp(np.float32(1), e).astype(np.float32)
+    scale = np.where(amax == 0, np.float32(1), scale)
+    unscale = np.where(amax == 0, np.float32(1), unscale)
+    xs = (np.abs(f) * scale).astype(np.float32)
+    if fmt == "mxfp4":
+        values = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float32)
+        bounds = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5]
+        idx = np.full(xs.shape, 7)
+        for i in reversed(range(7)):  # first bound that stops the scan wins
+            idx = np.where(xs < bounds[i], i, idx)
+            idx = np.where(xs == bounds[i], i if i % 2 == 0 else i + 1, idx)
+        q = values[idx]
+    else:
+        dt = ml_dtypes.float8_e4m3fn if fmt == "mxfp8_e4m3" else ml_dtypes.float8_e5m2
+        q = np.clip(xs, -emax, emax).astype(dt).astype(np.float32)
+    sign = np.where(f < 0, -1.0, 1.0).astype(np.float32)
+    with np.errstate(over="ignore"):  # 6 * 2^127 overflows to inf in the kernel too
+        out = (sign * (q * unscale)).astype(np.float32)
+    return torch.from_numpy(out.reshape(x.shape))

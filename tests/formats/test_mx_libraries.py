@@ -16,6 +16,7 @@ from mx_cases import (
     compressed_tensors_oracle,
     first_difference,
     modelopt_decode,
+    modelopt_mx_fake_quant_reference,
     modelopt_oracle,
     same_values,
     special_tensor,
@@ -25,7 +26,8 @@ from mx_cases import (
     triton_kernels_reference,
 )
 
-from workbench.formats import dequantize, quantize
+from workbench.formats import dequantize, fake_quantize, quantize
+from workbench.formats.constants import FORMATS
 
 MX = ["mxfp4", "mxfp8_e4m3", "mxfp8_e5m2"]
 FINITE = tuple(s for s in SPECIALS if s not in ("nan", "inf", "-inf"))
@@ -195,3 +197,17 @@ def test_modelopt_sign_of_values_that_underflow_bf16_but_not_fp32():
     q = quantize(x, "mxfp4", "modelopt-export")
     assert torch.equal(q.scale, scale) and torch.equal(q.data, data), first_difference(q.data, data)
     assert data[0, 0] >> 4 == 0x0 and data[0, 1] & 0xF == 0x8
+
+
+@SETTINGS
+@given(x=tensors(specials=FINITE), fmt=st.sampled_from(MX))
+def test_rceil_fake_quant_equals_modelopt_cuda_fake_quant(x, fmt):
+    """FORMATS.md: ModelOpt's MX fake quant is RCEIL. Against a transcription of its CUDA kernel:
+    equal values (+0 == -0: the kernel leaves the sign of a zero input uninitialised), except in
+    blocks whose amax is at most max * 2^-127, where ModelOpt keeps the 2^127 multiplier and the
+    rceil profile (torchao/TE) zeroes the block."""
+    ref = modelopt_mx_fake_quant_reference(x, fmt).to(x.dtype)
+    ours = fake_quantize(x, fmt, "rceil")
+    amax = x.float().abs().reshape(*x.shape[:-1], -1, 32).amax(-1, keepdim=True)
+    tiny = (amax <= FORMATS[fmt].elem_max * 2.0**-127).expand(*amax.shape[:-1], 32).reshape(x.shape)
+    assert torch.equal(ours[~tiny].float(), ref[~tiny].float())
