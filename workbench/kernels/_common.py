@@ -121,10 +121,26 @@ def fp8_round(v, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_UP: tl.const
 
 
 @triton.jit
-def store_rounded(ptr, y, mask, BF16_BITS: tl.constexpr):
-    """Store fp32 ``y`` in ``ptr``'s dtype. bf16 outputs are int16 bits rounded here by integer
-    RNE (cvt.rn's result; the interpreter's bf16 cast truncates and flushes subnormals)."""
-    if BF16_BITS:
+def e2m1_round_value(v):
+    """fp32 value of the nearest E2M1 (ties to even, saturating at 6) of a *finite* v, without
+    codes: round to the grid step of v's binade (0.5 below 2, 1 below 4, else 2) with the
+    2^23 trick, clamp to 6, put v's sign back (so -0.0 and tiny negatives give -0.0). Equal to
+    ``e2m1_value(e2m1_code_rne(bits(v)))`` for finite v, with a third of the integer work."""
+    a = tl.abs(v)
+    step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
+    big = step * 8388608.0
+    q = tl.minimum((a + big) - big, 6.0)
+    return (bits_of(q) | (bits_of(v) & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def store_rounded(ptr, y, mask, BF16_BITS: tl.constexpr, HW: tl.constexpr):
+    """Store fp32 ``y`` in ``ptr``'s dtype. bf16 outputs go out as int16 bits: on a GPU the
+    cvt.rn cast, under the interpreter (whose bf16 cast truncates and flushes subnormals) the
+    same round-to-nearest-even done on the integer bits."""
+    if BF16_BITS and HW:
+        tl.store(ptr, y.to(tl.bfloat16).to(tl.int16, bitcast=True), mask=mask)
+    elif BF16_BITS:
         b = bits_of(y)
         r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
         r = tl.where(y != y, b >> 16, r)
@@ -138,6 +154,6 @@ def load_f32(ptr, idx, mask, BF16_BITS: tl.constexpr):
     """Load as fp32. bf16 comes in as int16 bits and is widened by a shift: exact for
     subnormals and NaN payloads on every backend (the interpreter flushes bf16 subnormals)."""
     if BF16_BITS:
-        raw = tl.load(ptr + idx, mask=mask, other=0).to(tl.int32)
-        return ((raw & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        raw = tl.load(ptr + idx, mask=mask, other=0).to(tl.int32)  # sign-extended
+        return (raw << 16).to(tl.float32, bitcast=True)
     return tl.load(ptr + idx, mask=mask, other=0.0).to(tl.float32)

@@ -13,9 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import (bits_of, e2m1_code_rne, e2m1_value, fp8_round, pack_pairs, store_rounded,
-                      load_f32,
-                      torchao_nvfp4_nan_code, x86_mul_nan_bits)
+from ._common import (bits_of, e2m1_code_rne, e2m1_round_value, e2m1_value, fp8_round, load_f32,
+                      pack_pairs, store_rounded, torchao_nvfp4_nan_code, x86_mul_nan_bits)
 
 TORCHAO, TE = 0, 1
 FLT_MAX: tl.constexpr = 3.4028234663852886e38
@@ -44,7 +43,7 @@ def amax_kernel(x_ptr, part_ptr, n_per_expert, n_parts, BLOCK: tl.constexpr,
 @triton.jit
 def nvfp4_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, n_blocks, blocks_per_expert,
                  NB: tl.constexpr, PROFILE: tl.constexpr, FAKE: tl.constexpr,
-                 BF16_BITS: tl.constexpr):
+                 BF16_BITS: tl.constexpr, HW: tl.constexpr):
     BLOCK: tl.constexpr = 16
     pid = tl.program_id(0).to(tl.int64)
     blk = pid * NB + tl.arange(0, NB)
@@ -53,26 +52,26 @@ def nvfp4_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, n_blocks, blocks_per_exper
     mask = bmask[:, None]
     x = load_f32(x_ptr, idx, mask, BF16_BITS)
     amax = tl.load(amax_ptr + blk // blocks_per_expert, mask=bmask, other=1.0)
-    isnan = x != x
-    a = tl.abs(x)
-    bamax = tl.max(tl.where(isnan, 0.0, a), axis=1)
-
+    # block amax on magnitude bits: NaN bits sort above inf, so an integer max propagates NaN
+    # (torch.amax: torchao) and zeroing them first skips NaN (fmaxf from 0: TE)
+    m = bits_of(x) & 0x7FFFFFFF
     if PROFILE == TORCHAO:
-        bamax = tl.where(tl.max(isnan.to(tl.int32), axis=1) > 0, float("nan"), bamax)
+        bamax = tl.max(m, axis=1).to(tl.float32, bitcast=True)
         pts = tl.math.div_rn(amax, 2688.0)  # per_tensor_amax_to_scale
         s = tl.math.div_rn(tl.math.div_rn(bamax, 6.0), pts)
         s = tl.where(s < E4M3_TINY, E4M3_TINY, tl.where(s > 448.0, 448.0, s))  # NaN stays
         sf = fp8_round(s, 3, 0.015625, 512.0, 0.001953125)
+        # torch widens the e4m3 NaN byte to 0x7FF00000 (plus sign): later NaN payloads read it
+        nan_sf = (0x7FF00000 | (bits_of(s) & -2147483648)).to(tl.float32, bitcast=True)
+        sf = tl.where(sf != sf, nan_sf, sf)
         inv_pts = tl.math.div_rn(1.0, pts)
         f = tl.math.div_rn(inv_pts, sf)
         f_bits = x86_div_nan_bits(bits_of(f), inv_pts, sf)
         f = f_bits.to(tl.float32, bitcast=True)
         v = x * f[:, None]
-        vbits = x86_mul_nan_bits(bits_of(v), x, f[:, None])
-        code = tl.where((vbits & 0x7FFFFFFF) > 0x7F800000, torchao_nvfp4_nan_code(vbits),
-                        e2m1_code_rne(vbits))
         dec = (pts * sf)[:, None]
     else:
+        bamax = tl.max(tl.where(m > 0x7F800000, 0, m), axis=1).to(tl.float32, bitcast=True)
         # compute_global_encode_scaling_factor_FP4: fminf(2688/amax, FLT_MAX), 1 for 0 / inf amax
         s_enc = tl.math.div_rn(2688.0, amax)
         s_enc = tl.where((s_enc > FLT_MAX) | (s_enc != s_enc), FLT_MAX, s_enc)  # fmin
@@ -85,16 +84,20 @@ def nvfp4_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, n_blocks, blocks_per_exper
         rcp = tl.math.div_rn(1.0, sf * s_dec)
         rcp = tl.where((rcp > FLT_MAX) | (rcp != rcp), FLT_MAX, rcp)
         v = x * rcp[:, None]
-        vbits = bits_of(v)
-        code = tl.where(isnan, 7, e2m1_code_rne(vbits))
+        f = rcp
         # the decode-direction global round trip of fake_quantize: (amax / 2688) * 2688
         g = tl.math.div_rn(amax, 2688.0) * 2688.0
         dec = ((sf * g) * RCP_2688)[:, None]
 
     if FAKE:
-        y = e2m1_value(code) * dec
-        store_rounded(out_ptr + idx, y, mask, BF16_BITS)
+        # a tile whose scaled values are all finite takes the short grid rounding (see _mx_kernel)
+        if tl.max(tl.max(bits_of(v) & 0x7FFFFFFF, axis=1), axis=0) < 0x7F800000:
+            y = e2m1_round_value(v) * dec
+        else:
+            y = e2m1_value(_codes(x, v, f, PROFILE)) * dec
+        store_rounded(out_ptr + idx, y, mask, BF16_BITS, HW)
     else:
+        code = _codes(x, v, f, PROFILE)
         oidx = blk[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
         tl.store(out_ptr + oidx, pack_pairs(code, NB, BLOCK), mask=mask)
         # sf is an exact e4m3 value; a NaN scale is written as torch's cast writes it (0x7F)
@@ -104,8 +107,20 @@ def nvfp4_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, n_blocks, blocks_per_exper
 
 
 @triton.jit
+def _codes(x, v, f, PROFILE: tl.constexpr):
+    """E2M1 codes with each library's NaN rule (the exact path)."""
+    if PROFILE == TORCHAO:
+        vbits = x86_mul_nan_bits(bits_of(v), x, f[:, None])
+        return tl.where((vbits & 0x7FFFFFFF) > 0x7F800000, torchao_nvfp4_nan_code(vbits),
+                        e2m1_code_rne(vbits))
+    return tl.where(x != x, 7, e2m1_code_rne(bits_of(v)))
+
+
+@triton.jit
 def x86_div_nan_bits(rbits, a, b):
+    """Bits of ``a / b`` as torch's CPU division gives them: the first NaN operand wins (seen
+    with torch 2.13; its multiplication returns the second, see ``_common.x86_mul_nan_bits``)."""
     ab = a.to(tl.int32, bitcast=True)
     bb = b.to(tl.int32, bitcast=True)
-    nan_bits = tl.where(b != b, bb | 0x00400000, tl.where(a != a, ab | 0x00400000, -4194304))
+    nan_bits = tl.where(a != a, ab | 0x00400000, tl.where(b != b, bb | 0x00400000, -4194304))
     return tl.where((rbits & 0x7FFFFFFF) > 0x7F800000, nan_bits, rbits)

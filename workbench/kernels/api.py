@@ -113,7 +113,7 @@ def _run_mx(x, recipe, spec, fake: bool):
         _bits(x), _bits(out), scale, enc, dec, n_blocks, NB=nb, ELEM=elem, RULE=_MX_RULES[prof.scale_rule],
         EMAX=spec.elem_emax, MANT_BITS=spec.elem_mantissa_bits, MAX_MANT=max_mant,
         ELEM_MAX=spec.elem_max, INF_BYTE=-1 if prof.inf_byte is None else prof.inf_byte,
-        FAKE=fake, BF16_BITS=x.dtype == torch.bfloat16, num_warps=4)
+        FAKE=fake, BF16_BITS=x.dtype == torch.bfloat16, HW=not _interpret(), num_warps=4)
     return out, scale
 
 
@@ -174,7 +174,7 @@ def _run_nvfp4(x, recipe, global_amax_arg, fake: bool):
     nvk.nvfp4_kernel[(triton_cdiv(n_blocks, nb),)](
         _bits(x), _bits(out), scale, amax_flat, n_blocks, bpe, NB=nb,
         PROFILE={"torchao": 0, "te": 1}[recipe.profile], FAKE=fake,
-        BF16_BITS=x.dtype == torch.bfloat16, num_warps=4)
+        BF16_BITS=x.dtype == torch.bfloat16, HW=not _interpret(), num_warps=4)
     return out, scale, amax
 
 

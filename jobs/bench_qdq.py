@@ -1,0 +1,126 @@
+"""Benchmark: fake quantization (quantize-dequantize, bf16 in, bf16 out) against the copy limit.
+
+    python jobs/bench_qdq.py                       # GPU: every row below, printed as one table
+    python jobs/bench_qdq.py --shapes 8x4096x6144 --formats mxfp4
+
+Rows per (shape, format): device copy (read + write the tensor once: the memory-bound floor of
+a one-pass fake quant), torchao 0.18 QDQ eager and under torch.compile, the workbench reference
+codec under torch.compile, and the Triton kernel (workbench.kernels). Columns: median ms
+(triton.testing.do_bench), GB/s counting one bf16 read and one bf16 write, fraction of the copy
+rate, speedup over torchao compiled. NVFP4 rows include the global-amax pass (one more read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+
+import torch  # noqa: E402
+
+FORMATS = ("mxfp4", "mxfp8_e4m3", "nvfp4")
+
+
+def _torchao_qdq(fmt: str):
+    """torchao's own QDQ for a format (None when torchao is missing)."""
+    try:
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
+        from torchao.prototype.mx_formats.nvfp4_tensor import (NVFP4Tensor, nvfp4_quantize,
+                                                               per_tensor_amax_to_scale)
+    except ImportError:
+        return None
+    if fmt == "nvfp4":
+        def qdq(x):
+            pts = per_tensor_amax_to_scale(x.abs().amax().float())
+            scale, data = nvfp4_quantize(x, 16, pts)
+            t = NVFP4Tensor(data, scale, 16, x.dtype, per_tensor_scale=pts)
+            return t.dequantize(x.dtype)
+        return qdq
+    elem = {"mxfp4": torch.float4_e2m1fn_x2, "mxfp8_e4m3": torch.float8_e4m3fn}[fmt]
+
+    def qdq(x):
+        scale, data = to_mx(x, elem, 32, ScaleCalculationMode.RCEIL)
+        return to_dtype(data, scale, elem, 32, x.dtype)
+    return qdq
+
+
+def _bench(fn, x) -> float | None:
+    import triton.testing
+
+    try:
+        fn(x)
+        torch.cuda.synchronize()
+    except Exception as exc:  # a row that cannot run is reported, not fatal
+        print(f"    ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+        return None
+    return triton.testing.do_bench(lambda: fn(x), warmup=25, rep=100, return_mode="median")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="8x4096x6144,128x768x2048,8x3072x3584")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    ap.add_argument("--eager-all", action="store_true",
+                    help="time torchao eager on every shape (default: the first only)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_qdq needs a CUDA GPU (the kernels' CPU mode is the interpreter)")
+    import triton
+
+    from workbench import formats as F
+    from workbench import kernels as K
+
+    try:
+        import torchao
+        ao_ver = torchao.__version__
+    except ImportError:
+        ao_ver = "missing"
+    print(f"device={torch.cuda.get_device_name()} torch={torch.__version__} "
+          f"triton={triton.__version__} torchao={ao_ver}")
+    print(f"{'shape':<16}{'format':<12}{'impl':<22}{'ms':>9}{'GB/s':>9}{'of copy':>9}"
+          f"{'vs ao.c':>9}")
+    for si, text in enumerate(args.shapes.split(",")):
+        shape = tuple(int(s) for s in text.split("x"))
+        torch.manual_seed(0)
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        nbytes = 2 * x.numel() * x.element_size()
+        out = torch.empty_like(x)
+        copy_ms = _bench(lambda t: out.copy_(t), x)
+
+        def row(fmt, name, ms, ao_c=None):
+            if ms is None:
+                print(f"{text:<16}{fmt:<12}{name:<22}{'n/a':>9}")
+                return
+            gbs = nbytes / ms / 1e6
+            rel = f"{copy_ms / ms:.0%}"
+            sp = f"{ao_c / ms:.2f}x" if ao_c else "-"
+            print(f"{text:<16}{fmt:<12}{name:<22}{ms:>9.3f}{gbs:>9.0f}{rel:>9}{sp:>9}", flush=True)
+
+        row("-", "copy", copy_ms)
+        for fmt in args.formats.split(","):
+            ao = _torchao_qdq(fmt)
+            ao_c_ms = None
+            if ao is not None:
+                if si == 0 or args.eager_all:
+                    row(fmt, "torchao eager", _bench(ao, x))
+                if not args.no_compile:
+                    ao_c_ms = _bench(torch.compile(ao), x)
+                    row(fmt, "torchao compiled", ao_c_ms)
+            if not args.no_compile:
+                ref = torch.compile(lambda t, f=fmt: F.fake_quantize(t, f))
+                row(fmt, "reference compiled", _bench(ref, x), ao_c_ms)
+            row(fmt, "triton (workbench)", _bench(lambda t, f=fmt: K.fake_quantize(t, f), x),
+                ao_c_ms)
+            if fmt == "nvfp4":
+                amax = x.abs().amax().float()
+                row(fmt, "triton, amax given",
+                    _bench(lambda t: K.fake_quantize(t, "nvfp4", global_amax=amax), x), ao_c_ms)
+        del x, out
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
