@@ -7,6 +7,7 @@ the last complete checkpoint.
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -144,3 +145,27 @@ def test_resume_without_checkpoint_starts_fresh_and_truncates_nothing(tmp_path):
                   "--val-every", "0"])
     assert "resumed" not in res.stdout
     assert [r["step"] for r in metrics(out)] == [1, 2]
+
+
+def test_sigterm_checkpoints_at_the_step_boundary(tmp_path):
+    """The CLI turns SIGTERM into request_stop(): the run saves a checkpoint and exits 0."""
+    out = tmp_path / "run"
+    args = [*TINY, "--recipe", "bf16", "--steps", "400", "--out", str(out), "--ckpt-every", "0",
+            "--val-every", "0"]
+    p = subprocess.Popen(command(1, args), env=env(), cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not ((out / "metrics.jsonl").is_file() and
+                   (out / "metrics.jsonl").read_text().count("\n") >= 3):
+            assert time.monotonic() < deadline and p.poll() is None, p.stderr
+            time.sleep(0.02)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(120) == 0, p.stderr.read()[-3000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+    result = json.loads((out / "result.json").read_text())
+    assert result["stopped"] is True and 3 <= result["step"] < 400
+    assert [f.step for f in list_complete(out)] == [result["step"]]
+    assert metrics(out)[-1]["step"] == result["step"]

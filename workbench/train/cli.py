@@ -62,16 +62,24 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
                          project=a.project, **overrides)
 
 
-def _install_signal_handlers() -> None:
-    # SIGTERM (torchrun / Slurm before a kill) and SIGUSR2 (Slurm's preemption warning, as
-    # submitit requests it) -> checkpoint at the next step boundary and return.
+def _install_signal_handlers() -> dict:
+    """SIGTERM (torchrun / Slurm before a kill) and SIGUSR2 (Slurm's preemption warning, as
+    submitit requests it) -> checkpoint at the next step boundary and return. Only signals still
+    at their default are taken (a launcher's own handler wins); returns what to restore."""
     if threading.current_thread() is not threading.main_thread():
-        return
+        return {}
     from workbench.train.loop import request_stop
 
+    previous = {}
     for sig in (signal.SIGTERM, signal.SIGUSR2):
         if signal.getsignal(sig) in (signal.SIG_DFL, None):
-            signal.signal(sig, lambda signum, frame: request_stop())
+            previous[sig] = signal.signal(sig, lambda signum, frame: request_stop())
+    return previous
+
+
+def _restore_signal_handlers(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -96,11 +104,12 @@ def main(argv: list[str] | None = None) -> dict:
                                  group=cfg.run_group, name=cfg.run_name or Path(cfg.out).name,
                                  dir=str(cfg.out), config=resolved)
             logger.log_config(resolved)
-        _install_signal_handlers()
+        previous = _install_signal_handlers()
         clear_stop()
         try:
             result = train(cfg, info, logger=logger)
         finally:
+            _restore_signal_handlers(previous)
             if logger is not None:
                 logger.finish()
         if logger is not None and not result["stopped"]:
