@@ -63,8 +63,9 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default="8x4096x6144,128x768x2048,8x3072x3584")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
-    ap.add_argument("--eager-all", action="store_true",
-                    help="time torchao eager on every shape (default: the first only)")
+    ap.add_argument("--all-rows", action="store_true",
+                    help="torchao eager and the compiled rows on every shape (default: the first "
+                         "shape only; each compile costs tens of seconds)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_qdq needs a CUDA GPU (the kernels' CPU mode is the interpreter)")
@@ -104,12 +105,12 @@ def main(argv=None) -> None:
             ao = _torchao_qdq(fmt)
             ao_c_ms = None
             if ao is not None:
-                if si == 0 or args.eager_all:
+                if si == 0 or args.all_rows:
                     row(fmt, "torchao eager", _bench(ao, x))
-                if not args.no_compile:
+                if not args.no_compile and (si == 0 or args.all_rows):
                     ao_c_ms = _bench(torch.compile(ao), x)
                     row(fmt, "torchao compiled", ao_c_ms)
-            if not args.no_compile:
+            if not args.no_compile and (si == 0 or args.all_rows):
                 ref = torch.compile(lambda t, f=fmt: F.fake_quantize(t, f))
                 row(fmt, "reference compiled", _bench(ref, x), ao_c_ms)
             row(fmt, "triton (workbench)", _bench(lambda t, f=fmt: K.fake_quantize(t, f), x),
