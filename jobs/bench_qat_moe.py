@@ -41,6 +41,8 @@ def main(argv=None) -> None:
     ap.add_argument("--k3", action="store_true", help="hidden 3584, FFN 3072, 4096 tokens/expert")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--recipes", default="bf16,mxfp4,mxfp4+mxfp8,nvfp4")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing, print where one step's GPU time goes (torch.profiler)")
     args = ap.parse_args(argv)
     if args.k3:
         args.hidden, args.ffn, args.tokens_per_expert = 3584, 3072, 4096
@@ -71,7 +73,24 @@ def main(argv=None) -> None:
         t = _time(step, args.iters, sync)
         base = t if recipe == "bf16" else base
         ratio = f"{t / base:.2f}x" if base else "-"
-        print(f"{recipe:<26}{t * 1e3:>12.2f}{ratio:>10}{flops / t / 1e9:>10.1f}")
+        print(f"{recipe:<26}{t * 1e3:>12.2f}{ratio:>10}{flops / t / 1e9:>10.1f}", flush=True)
+        if args.profile and dev == "cuda":
+            _profile(step, recipe)
+
+
+def _profile(step, recipe: str) -> None:
+    """Top GPU kernels of one fwd+bwd step: where the time goes (fake quant vs GEMMs vs rest)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    key = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
+    print(f"--- {recipe}: GPU time by kernel (one step)")
+    print(ka.table(sort_by=key, row_limit=14, max_name_column_width=60))
 
 
 def _scope():
