@@ -19,7 +19,7 @@ def oracle_root(tmp_path_factory):
 
 def _need(*modules: str) -> None:
     for mod in modules:
-        pytest.importorskip(mod, reason=f"{mod} writes this oracle checkpoint (pip install -e .[dev])")
+        pytest.importorskip(mod, reason=f"{mod} writes this oracle checkpoint (.[dev] extra)")
 
 
 @pytest.fixture(scope="session")
@@ -40,11 +40,13 @@ def ct_nvfp4(oracle_root):
 
 @pytest.fixture(scope="session")
 def ct_mxfp4_8(oracle_root):
-    """8 experts per layer, so 4 expert-parallel ranks hold 2 each."""
+    """8 experts per layer, so 4 expert-parallel ranks hold 2 each; several shards + index, as
+    transformers' save_pretrained writes them."""
     _need("transformers", "compressed_tensors")
     from oracles import write_compressed_tensors
 
-    return write_compressed_tensors(oracle_root / "ct-mxfp4-8e", "MXFP4A16", seed=6, num_experts=8)
+    return write_compressed_tensors(oracle_root / "ct-mxfp4-8e", "MXFP4A16", seed=6, num_experts=8,
+                                    max_shard_size="100KB")
 
 
 @pytest.fixture(scope="session")

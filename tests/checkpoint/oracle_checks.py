@@ -22,7 +22,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert got.dtype == torch.bfloat16, f"{what}: dtype {got.dtype}, want bfloat16"
-    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    assert tuple(got.shape) == tuple(want.shape), (
+        f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}")
     diff = bits(got) != bits(want)
     if diff.any():
         value_diff = ~((got == want) | (got.isnan() & want.isnan()))

@@ -87,7 +87,7 @@ def _tiny_qwen3_moe(num_experts: int = 4):
 
 
 def _unfuse_experts(model, gen: torch.Generator) -> None:
-    """Replace transformers 5's fused 3-D experts with per-expert nn.Linear (HF per-expert names)."""
+    """Replace transformers 5's fused 3-D experts by per-expert nn.Linear (HF per-expert names)."""
     from torch import nn
 
     class Expert(nn.Module):
@@ -110,8 +110,10 @@ def _unfuse_experts(model, gen: torch.Generator) -> None:
 
 
 def write_compressed_tensors(path: Path, scheme_name: str, seed: int = 0,
-                             num_experts: int = 4) -> Oracle:
-    """scheme_name: "MXFP4A16" or "NVFP4A16" (compressed-tensors preset schemes)."""
+                             num_experts: int = 4, max_shard_size: str | None = None) -> Oracle:
+    """scheme_name: "MXFP4A16" or "NVFP4A16" (compressed-tensors preset schemes).
+
+    `max_shard_size` (e.g. "40KB") makes transformers write several shards + an index."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
@@ -129,7 +131,8 @@ def write_compressed_tensors(path: Path, scheme_name: str, seed: int = 0,
             q.copy_(heavy_tailed(tuple(q.shape), gen))
 
     scheme = preset_name_to_scheme(scheme_name, ["Linear"])
-    qcfg = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head", "re:.*mlp\\.gate$"])
+    qcfg = QuantizationConfig(config_groups={"group_0": scheme},
+                              ignore=["lm_head", "re:.*mlp\\.gate$"])
     apply_quantization_config(model, qcfg)
     with torch.no_grad():
         for _, module in model.named_modules():
@@ -142,12 +145,13 @@ def write_compressed_tensors(path: Path, scheme_name: str, seed: int = 0,
                 gscale = generate_gparam(w.amin(), w.amax())
                 module.weight_global_scale.copy_(gscale)
             grouped = w.unflatten(-1, (-1, args.group_size))
-            scale, _ = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args, global_scale=gscale)
+            scale, _ = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args,
+                                         global_scale=gscale)
             module.weight_scale.copy_(scale)
 
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     compressor.update_config(path)
     return _ct_oracle(Path(path), num_layers=2, num_experts=num_experts)
 
@@ -158,7 +162,9 @@ def _ct_oracle(path: Path, num_layers: int, num_experts: int) -> Oracle:
     )
     from safetensors.torch import load_file
 
-    stored = load_file(path / "model.safetensors")
+    stored = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        stored.update(load_file(shard))
     quantized = {k.removesuffix("_packed") for k in stored if k.endswith(".weight_packed")}
     dense = {k for k in stored if k.endswith(".weight") and stored[k].dtype == torch.bfloat16}
     decoded = CompressedTensorsDequantizer(path, dtype=torch.bfloat16).process(dict(stored))
@@ -199,7 +205,8 @@ def write_gpt_oss(path: Path, seed: int = 0) -> Oracle:
         n_exp, k_in, n_out = tensors.pop(name).shape  # transformers keeps [E, in, out]
         tensors[name + "_blocks"] = torch.randint(
             0, 256, (n_exp, n_out, k_in // 32, 16), dtype=torch.uint8, generator=gen)
-        scales = torch.randint(112, 132, (n_exp, n_out, k_in // 32), dtype=torch.uint8, generator=gen)
+        scales = torch.randint(112, 132, (n_exp, n_out, k_in // 32), dtype=torch.uint8,
+                               generator=gen)
         scales[0, 0, 0], scales[0, 1, 0], scales[-1, -1, -1] = 0, 1, 252  # E8M0 range edges
         tensors[name + "_scales"] = scales
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -363,6 +370,7 @@ def write_fp8_block(path: Path, seed: int = 0) -> Oracle:
                                    "activation_scheme": "dynamic",
                                    "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}}
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
-    quantized = {k for k in tensors if k.endswith(".weight") and tensors[k].dtype == torch.float8_e4m3fn}
+    quantized = {k for k in tensors
+                 if k.endswith(".weight") and tensors[k].dtype == torch.float8_e4m3fn}
     dense = {k for k in tensors if k.endswith(".weight")} - quantized
     return Oracle(path, "fp8-block", n_layers, n_exp, experts, quantized, dense)

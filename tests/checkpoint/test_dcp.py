@@ -30,7 +30,8 @@ def test_metadata_advertises_logical_names_and_expert_stacks(ct_mxfp4):
             out, inp = ct_mxfp4.experts[(layer, 0, proj)].shape
             assert tuple(m.size) == (ct_mxfp4.num_experts, out, inp)
             assert m.properties.dtype == torch.bfloat16
-            assert [tuple(c.offsets) for c in m.chunks] == [(e, 0, 0) for e in range(ct_mxfp4.num_experts)]
+            want = [(e, 0, 0) for e in range(ct_mxfp4.num_experts)]
+            assert [tuple(c.offsets) for c in m.chunks] == want
     assert ck.index.stats.bytes_read == 0, "metadata must come from headers only"
 
 

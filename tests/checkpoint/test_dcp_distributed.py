@@ -26,26 +26,33 @@ WORLD = 4
 SAFETENSORS_BYTES = {"U8": 1, "F8_E4M3": 1, "BF16": 2, "F32": 4}
 
 
+def _headers(path):
+    """name -> (dtype, shape) for every stored tensor, from the safetensors headers themselves."""
+    out = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            for n in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                sl = f.get_slice(n)
+                out[n] = (sl.get_dtype(), sl.get_shape())
+    return out
+
+
 def _stored_bytes(path, names):
-    """Bytes of the named stored tensors, from the safetensors header (not from workbench)."""
-    total = 0
-    with safe_open(path / "model.safetensors", "pt") as f:
-        for n in names:
-            sl = f.get_slice(n)
-            total += torch.Size(sl.get_shape()).numel() * SAFETENSORS_BYTES[sl.get_dtype()]
-    return total
+    """Bytes of the named stored tensors, from the safetensors headers (not from workbench)."""
+    heads = _headers(path)
+    return sum(torch.Size(heads[n][1]).numel() * SAFETENSORS_BYTES[heads[n][0]] for n in names)
 
 
 def _expert_tensors(path):
     """Stored tensors that carry routed-expert weights (biases are not part of expert_weight)."""
-    with safe_open(path / "model.safetensors", "pt") as f:
-        names = f.keys()  # safe_open is not a dict
-    return [n for n in names if ".mlp.experts." in n and not n.endswith("_bias")]
+    return [n for n in _headers(path) if ".mlp.experts." in n and not n.endswith("_bias")]
 
 
 @pytest.mark.timeout(300)
 def test_four_ranks_read_only_their_experts(tmp_path, ct_mxfp4_8, gpt_oss):
     assert ct_mxfp4_8.num_experts == 8 and gpt_oss.num_experts == 4
+    assert len(list(ct_mxfp4_8.path.glob("*.safetensors"))) > 1  # sharded, with an index
+    assert (ct_mxfp4_8.path / "model.safetensors.index.json").exists()
     oracles = [ct_mxfp4_8, gpt_oss]
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=dcp_worker.run,

@@ -35,9 +35,11 @@ def test_compressed_tensors_dense_quantized_layers_match(which, request):
 def test_compressed_tensors_ignore_list_drives_scope(ct_mxfp4):
     """The router and lm_head are in the config's ignore list, and the reason says so."""
     ck = open_checkpoint(ct_mxfp4.path)
-    ignore = json.loads((ct_mxfp4.path / "config.json").read_text())["quantization_config"]["ignore"]
+    config = json.loads((ct_mxfp4.path / "config.json").read_text())
+    ignore = config["quantization_config"]["ignore"]
     assert "lm_head" in ignore
-    for name in ["lm_head.weight", "model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"]:
+    for name in ["lm_head.weight", "model.layers.0.mlp.gate.weight",
+                 "model.layers.1.mlp.gate.weight"]:
         assert not ck.scope.is_quantized(name)
         reason = ck.scope.reason(name)
         assert any(entry.removesuffix(".weight") in reason or "ignore" in reason.lower()
