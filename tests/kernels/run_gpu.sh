@@ -13,12 +13,12 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TORCHAO_FOR
   python3 -c "import torchao; print('torchao', torchao.__version__)"; } 2>&1 | tee "$OUT/env.txt"
 STAGES=${STAGES:-tests,qdq,moe}
 if [[ $STAGES == *tests* ]]; then
-  timeout 240 python3 -m pytest tests/kernels -q -rfE -p no:cacheprovider -x 2>&1 | tee "$OUT/tests.log" | tail -25
+  timeout 110 python3 -m pytest tests/kernels -q -rfE -p no:cacheprovider -x 2>&1 | tee "$OUT/tests.log" | tail -25
 fi
 if [[ $STAGES == *qdq* ]]; then
-  timeout 240 python3 jobs/bench_qdq.py ${QDQ_ARGS:-} 2>&1 | tee "$OUT/bench_qdq.log"
+  timeout 150 python3 jobs/bench_qdq.py ${QDQ_ARGS:-} 2>&1 | tee "$OUT/bench_qdq.log"
 fi
 if [[ $STAGES == *moe* ]]; then
-  timeout 200 python3 jobs/bench_qat_moe.py --k3 --recipes bf16,mxfp4+mxfp8,mxfp4 --iters 10 --profile 2>&1 \
+  timeout 110 python3 jobs/bench_qat_moe.py --k3 --recipes bf16,mxfp4+mxfp8,mxfp4 --iters 10 --profile 2>&1 \
     | tee "$OUT/bench_qat_moe.log" | grep -v "^\s*$" | head -120
 fi
