@@ -257,9 +257,13 @@ def write_modelopt(path: Path, algo: str, seed: int = 0) -> Oracle:
     dense = {k: v.contiguous() for k, v in model.state_dict().items() if "mlp.experts" not in k}
     tensors: dict[str, torch.Tensor] = dict(dense)
     experts: dict[Key, torch.Tensor] = {}
-    layer_cfg: dict[str, object] = {}
+    layer_cfg: dict[str, object] = {"lm_head.quantization": QUANTIZATION_NONE}
     for layer in range(n_layers):
-        layer_cfg[f"model.layers.{layer}.mlp.gate.quantization"] = QUANTIZATION_NONE  # router BF16
+        # experts-only recipe: router, attention (and lm_head below) keep BF16, and ModelOpt's
+        # own summariser turns them into exclude_modules patterns
+        layer_cfg[f"model.layers.{layer}.mlp.gate.quantization"] = QUANTIZATION_NONE
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            layer_cfg[f"model.layers.{layer}.self_attn.{proj}.quantization"] = QUANTIZATION_NONE
         for e in range(n_exp):
             for proj, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)),
                                 ("down", (hidden, inter))):
@@ -289,10 +293,6 @@ def write_modelopt(path: Path, algo: str, seed: int = 0) -> Oracle:
     hf_quant_config = {"producer": {"name": "modelopt", "version": _modelopt_version()},
                        "quantization": {"quant_algo": None, "kv_cache_quant_algo": None}}
     hf_quant_config["quantization"].update(process_layer_quant_config(layer_cfg))
-    # attention/lm_head were never quantized: ModelOpt lists them in exclude_modules too.
-    hf_quant_config["quantization"]["exclude_modules"] = sorted(
-        set(hf_quant_config["quantization"].get("exclude_modules", []))
-        | {"lm_head", "model.layers.*.self_attn*"})
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "hf_quant_config.json").write_text(json.dumps(hf_quant_config, indent=4))
     cfg = model.config.to_dict()
