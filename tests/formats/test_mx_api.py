@@ -111,3 +111,20 @@ def test_sqnr_on_gaussian_at_least_torchao(fmt, profile):
     theirs = _sqnr_db(x, torchao_decode(data, scale, fmt, torch.bfloat16))
     assert ours >= theirs - 0.01, (ours, theirs)
     assert ours >= _uniform_quantizer_floor_db(fmt), ours
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fmt", "profile"), [("mxfp4", "rceil"), ("mxfp8_e4m3", "triton-kernels")])
+def test_fullgraph_compile_gives_the_eager_bytes(fmt, profile):
+    """The reference compiles without graph breaks (QAT may compile it) and, specials included,
+    produces the same bytes as eager."""
+    from mx_cases import SPECIALS, same_values, special_tensor
+
+    x = special_tensor(3, (4, 128), torch.bfloat16, frozenset(SPECIALS))
+    q_c = torch.compile(lambda t: quantize(t, fmt, profile), fullgraph=True, dynamic=False)(x)
+    q_e = quantize(x, fmt, profile)
+    assert torch.equal(q_c.scale, q_e.scale)
+    assert torch.equal(q_c.data.view(torch.uint8), q_e.data.view(torch.uint8)) or (
+        fmt != "mxfp4" and same_values(q_c.data, q_e.data))
+    y_c = torch.compile(lambda t: fake_quantize(t, fmt, profile), fullgraph=True, dynamic=False)(x)
+    assert same_values(y_c, fake_quantize(x, fmt, profile))

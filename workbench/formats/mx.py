@@ -38,15 +38,34 @@ def _work_dtype(x: torch.Tensor, prof: MXProfile) -> torch.dtype:
     return torch.float32
 
 
+def _dense() -> bool:
+    """Under torch.compile, take the branch-free path: data-dependent ``if``s and boolean-mask
+    shapes would break the graph, so special blocks are computed everywhere and selected."""
+    return torch.compiler.is_compiling()
+
+
+def _lut(kind: str, prof: MXProfile, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    if _dense():  # dynamo traces through lru_cache anyway (and warns): build it in the graph
+        return cached_lut.__wrapped__(kind, prof.name, str(device), dtype)
+    return cached_lut(kind, prof.name, str(device), dtype)
+
+
+def _maxnum(x_BK: torch.Tensor) -> torch.Tensor:
+    # max.f32 / maxnum skip NaN operands; an all-NaN block still reduces to NaN
+    a = x_BK.float().abs()
+    m = torch.where(torch.isnan(a), float("-inf"), a).amax(-1)
+    return torch.where(m == float("-inf"), float("nan"), m)
+
+
 def block_amax(x_BK: torch.Tensor, prof: MXProfile) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 amax per block as the profile's library reduces it, and the non-finite-block mask."""
     amax_B = x_BK.abs().amax(-1).float()
     bad_B = ~torch.isfinite(amax_B)
-    if prof.nan_amax == "ignore" and bad_B.any():
-        # max.f32 / maxnum skip NaN operands; an all-NaN block still reduces to NaN
-        sub = x_BK[bad_B].float().abs()
-        m = torch.where(torch.isnan(sub), float("-inf"), sub).amax(-1)
-        amax_B[bad_B] = torch.where(m == float("-inf"), float("nan"), m)
+    if prof.nan_amax == "ignore":
+        if _dense():
+            amax_B = torch.where(bad_B, _maxnum(x_BK), amax_B)
+        elif bad_B.any():
+            amax_B[bad_B] = _maxnum(x_BK[bad_B])
     return amax_B, bad_B
 
 
@@ -74,7 +93,7 @@ def _fp4_special_codes(v: torch.Tensor, prof: MXProfile) -> torch.Tensor:
     """E2M1 codes of fp32 values that may be NaN, as each library's rounding code treats them."""
     code = _fp4_codes(v, prof)
     nan = torch.isnan(v)
-    if not nan.any():
+    if not _dense() and not nan.any():
         return code
     if prof.sign == "bits" and prof.scale_rule != "round-up-bits":
         # torchao: NaN falls into the "normal" branch of _f32_to_floatx_unpacked; the code is
@@ -99,17 +118,21 @@ def quantize_mx(x: torch.Tensor, spec: FormatSpec, profile: str) -> tuple[torch.
     x_BK = _blocks(x, spec.block)
     amax_B, bad_B = block_amax(x_BK, prof)
     byte_B = scale_byte(amax_B, spec, prof)
-    mult_B = cached_lut("encode", prof.name, str(x.device), torch.float32)[byte_B.long()]
+    mult_B = _lut("encode", prof, x.device, torch.float32)[byte_B.long()]
     wdt = _work_dtype(x, prof)
     # powers of two, 0, 1, NaN: exact in bf16 too
     v_BK = x_BK.to(wdt) * mult_B.to(wdt).unsqueeze(-1)
-    any_bad = bool(bad_B.any())
+    dense = _dense()
+    any_bad = dense or bool(bad_B.any())
     if any_bad:
         # the libraries run these blocks in fp32 (torchao, ModelOpt, triton_kernels)
-        v_bad = x_BK[bad_B].float() * mult_B[bad_B].unsqueeze(-1)
+        x_bad, m_bad = (x_BK, mult_B) if dense else (x_BK[bad_B], mult_B[bad_B])
+        v_bad = x_bad.float() * m_bad.unsqueeze(-1)
     if spec.element == "e2m1":
         codes_BK = _fp4_codes(v_BK, prof)
-        if any_bad:
+        if dense:
+            codes_BK = torch.where(bad_B.unsqueeze(-1), _fp4_special_codes(v_bad, prof), codes_BK)
+        elif any_bad:
             codes_BK[bad_B] = _fp4_special_codes(v_bad, prof)
         data = pack_fp4(codes_BK.reshape(x.shape))
     else:
@@ -118,7 +141,13 @@ def quantize_mx(x: torch.Tensor, spec: FormatSpec, profile: str) -> tuple[torch.
         v_BK = v_BK.clamp_(-spec.elem_max, spec.elem_max)
         data_BK = v_BK.to(spec.elem_dtype)
         if any_bad:
-            data_BK[bad_B] = v_bad.clamp(-spec.elem_max, spec.elem_max).to(spec.elem_dtype)
+            special = v_bad.clamp(-spec.elem_max, spec.elem_max).to(spec.elem_dtype)
+            if dense:  # where() has no float8 kernel: select the bytes
+                picked = torch.where(bad_B.unsqueeze(-1), special.view(torch.uint8),
+                                     data_BK.view(torch.uint8))
+                data_BK = picked.view(spec.elem_dtype)
+            else:
+                data_BK[bad_B] = special
         data = data_BK.reshape(x.shape)
     return data, byte_B
 
@@ -148,7 +177,7 @@ def dequantize_mx(
         wdt = dtype
     else:
         wdt = torch.float32
-    s_B = cached_lut("decode", prof.name, str(scale.device), wdt)[scale.long()]
+    s_B = _lut("decode", prof, scale.device, wdt)[scale.long()]
     if spec.element == "e2m1":
         if data.dtype != torch.uint8:
             raise TypeError(f"packed FP4 data must be uint8, got {data.dtype}")
