@@ -84,7 +84,7 @@ def test_preempted_qat_resumes_on_the_same_curve(slurm_cluster, local_run, tmp_p
     while len(job.metrics()) < 3:
         assert time.monotonic() < end and job.state in {"PENDING", "RUNNING"}, job.log_tail(40)
         time.sleep(0.2)
-    job.interrupt()  # SIGTERM then USR2 to every task, as submitit's job._interrupt() does
+    job._job._interrupt()  # submitit's own preemption simulation: SIGTERM, then USR2, to every task
     assert job.wait(timeout=WAIT_S) == "COMPLETED", job.log_tail(40)
     log = job.log_tail(2000, rank=0)
     resumed = [ln for ln in log.splitlines() if ln.startswith("[train] resumed from")]
