@@ -8,9 +8,12 @@ have one entry per block; ``codes_BK`` the E2M1 codes; ``data`` / ``scale`` are 
 ``QuantizedTensor`` stores.
 
 Speed: bf16 inputs are scaled and rounded in bf16 (a power-of-two multiple of a bf16 value is
-a bf16 value unless it falls below 2^-126, where it rounds to 0 or +-0.5 either way), so the
-element pass never makes an fp32 copy of the tensor. Blocks with a non-finite amax go through a
-separate fp32 path that repeats each library's arithmetic, NaN payloads included.
+a bf16 value unless it falls below 2^-126, far under the smallest E2M1/FP8 step, where only its
+sign survives, and bf16 keeps the sign), so the element pass never makes an fp32 copy of the
+tensor; ModelOpt's profile is the exception (it tests ``v > 0`` on an fp32 quotient). Blocks
+with a non-finite amax go through a separate fp32 path that repeats each library's arithmetic,
+NaN payloads included. Under torch.compile the same results come from a branch-free path
+(``_dense``), so ``fullgraph=True`` works.
 """
 
 from __future__ import annotations

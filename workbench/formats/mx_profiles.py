@@ -127,7 +127,9 @@ PROFILES: dict[str, MXProfile] = {
     # compressed-tensors 0.20.1: generate_mx_scales (round_to_power_2 with the FP4 mantissa width,
     # also for MXFP8) -> 2**(b-127) float scale -> x / scale in the input dtype -> cast_to_fp4
     # (RNE) -> pack_fp4_to_uint8 (sign from signbit after cast_to_fp4 multiplied by sign(x), so
-    # -0.0 -> 0x0 but tiny negatives -> 0x8). Non-finite amax: undefined (float->int casts).
+    # -0.0 -> 0x0 but tiny negatives -> 0x8). Non-finite amax, or an amax that rounds up to
+    # 2^128: undefined (float->int casts); this row writes 0xFF and zeros there. fp16 inputs are
+    # taken as their exact fp32 copy (the library would divide by fp16 scales that underflow).
     "compressed-tensors": MXProfile("compressed-tensors", "even-fp4", nan_byte=0xFF, inf_byte=0xFF,
                                     enc_byte0=None, enc_byte255=0.0, ties="even", sign="negative",
                                     nan_amax="propagate", dec_byte0=_TWO_M127, dec_byte255="inf",
