@@ -13,8 +13,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _spec(targets_path, tmp_path, target, **kw):
-    return LaunchSpec(folder=tmp_path / "run", wandb="disabled", time_min=10,
-                      target=f"launch_targets:{target}", stop_hook="launch_targets:request_stop",
+    kw = {"folder": tmp_path / "run", "wandb": "disabled", "time_min": 10, **kw}
+    return LaunchSpec(target=f"launch_targets:{target}", stop_hook="launch_targets:request_stop",
                       pythonpath=targets_path, **kw)
 
 
@@ -73,3 +73,16 @@ def test_stop_during_start_up_is_not_lost(targets_path, tmp_path):
     log = job.log_tail(200, rank=0)
     assert "requeueing job" in log and "resume=True" in log, log
     assert job.metrics()["step"].tolist() == list(range(1, 7))
+
+
+def test_time_limit_requeues_until_the_budget_is_spent(targets_path, tmp_path):
+    """USR2 `signal_delay_s` before the time limit: checkpoint and requeue, counted against
+    max_requeues; once none are left the job ends FAILED instead of requeueing forever."""
+    job = submit(_spec(targets_path, tmp_path, "counting_loop", ep=2, steps=10_000, time_min=1,
+                       signal_delay_s=35, max_requeues=1, trainer_args=("--step-s", "0.2")))
+    assert job.wait(timeout=240) == "FAILED", job.log_tail(30)
+    log = job.log_tail(400, rank=0)
+    assert log.count("checkpoint saved (time limit)") == 1, log
+    assert "0 time-limit requeues left" in log and "too many times" in log, log
+    df = job.metrics()  # two runs of the same curve, stopped at the second warning
+    assert df["step"].tolist() == list(range(1, len(df) + 1)) and df["pid"].nunique() == 2

@@ -37,6 +37,7 @@ def test_tasks_per_node_derived(ep, nodes, tpn):
     ({"steps": True}, "steps"),
     ({"recipe": "bf16", "profile": "rceil"}, "quantized recipe"),
     ({"export": "gguf"}, "export"),
+    ({"time_min": 1, "signal_delay_s": 60}, "signal_delay_s"),
     ({"recipe": "mx fp4"}, "recipe"),
     ({"target": "not a path"}, "target"),
     ({"trainer_args": "--resume"}, "trainer_args"),

@@ -48,7 +48,9 @@ class LaunchSpec:
     sbatch flags (e.g. `{"qos": "high"}`), `env` extra environment variables for the job,
     `pythonpath` folders prepended to the job's PYTHONPATH. `target` is the `module:function`
     called in every rank with the trainer argv (the workbench trainer by default); `stop_hook` is
-    the `module:function` the job's preemption signal handler calls.
+    the `module:function` the job's preemption signal handler calls. The job gets USR2
+    `signal_delay_s` before `time_min` runs out, time to finish a step and save a checkpoint (Slurm
+    may send it up to a minute earlier); it then requeues, at most `max_requeues` times.
     """
 
     preset: str = "tiny"
@@ -77,6 +79,7 @@ class LaunchSpec:
     target: str = DEFAULT_TARGET
     stop_hook: str = DEFAULT_STOP_HOOK
     max_requeues: int = 3
+    signal_delay_s: int = 90
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -90,6 +93,9 @@ class LaunchSpec:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 bad(f"{name} must be a non-negative int, got {v!r}")
+        if not isinstance(self.signal_delay_s, int) or not 0 < self.signal_delay_s < self.time_min * 60:
+            bad(f"signal_delay_s (the time-limit warning, {self.signal_delay_s!r} s before the end) "
+                f"must be positive and shorter than time_min ({self.time_min} min)")
         if self.executor not in EXECUTORS:
             bad(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.wandb not in WANDB_MODES:

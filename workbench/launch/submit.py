@@ -25,10 +25,6 @@ from pathlib import Path
 from .handle import FORMAT, RESULT_FILE, JobHandle, LaunchError
 from .spec import LaunchSpec
 
-# Seconds between the USR2 warning and the time limit; the job needs them to finish a step and
-# write a DCP checkpoint.
-SIGNAL_DELAY_S = 90
-
 
 def _submitit():
     try:
@@ -85,7 +81,7 @@ def make_executor(spec: LaunchSpec, submitit_folder: Path):
         ex = submitit.LocalExecutor(folder=submitit_folder, max_num_timeout=spec.max_requeues)
         ex.update_parameters(tasks_per_node=spec.tasks_per_node, nodes=1, timeout_min=spec.time_min,
                              gpus_per_node=spec.gpus_per_node,
-                             signal_delay_s=SIGNAL_DELAY_S)
+                             signal_delay_s=spec.signal_delay_s)
         return ex
     if shutil.which("sbatch") is None:
         raise LaunchError("executor='slurm' but sbatch is not on PATH: run on a Slurm login node, "
@@ -97,7 +93,7 @@ def make_executor(spec: LaunchSpec, submitit_folder: Path):
                                 max_num_timeout=spec.max_requeues)
     params = {"job_name": f"wb-{spec.name}", "nodes": spec.nodes, "ntasks_per_node": spec.tasks_per_node,
                   "cpus_per_task": spec.cpus_per_task, "time": spec.time_min, "setup": setup,
-                  "signal_delay_s": SIGNAL_DELAY_S}
+                  "signal_delay_s": spec.signal_delay_s}
     if spec.gpus_per_node:
         params["gpus_per_node"] = spec.gpus_per_node
     if spec.partition:
@@ -113,7 +109,7 @@ def _job_callable(spec: LaunchSpec, run_folder: Path):
 
     return DistributedJob(target=spec.target, argv=tuple(spec.trainer_argv(run_folder)),
                           result_path=str(run_folder / RESULT_FILE), stop_hook=spec.stop_hook,
-                          pythonpath=spec.pythonpath, signal_delay_s=SIGNAL_DELAY_S)
+                          pythonpath=spec.pythonpath, signal_delay_s=spec.signal_delay_s)
 
 
 def _prepare_run_folder(spec: LaunchSpec, run_folder: Path) -> None:
