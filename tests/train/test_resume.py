@@ -8,6 +8,7 @@ the last complete checkpoint.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -169,3 +170,21 @@ def test_sigterm_checkpoints_at_the_step_boundary(tmp_path):
     assert result["stopped"] is True and 3 <= result["step"] < 400
     assert [f.step for f in list_complete(out)] == [result["step"]]
     assert metrics(out)[-1]["step"] == result["step"]
+
+
+@pytest.mark.distributed
+def test_checkpoint_from_ep2_resumes_at_ep1(tmp_path):
+    """Experts are saved as DTensor shards of one global tensor, so EP1 can continue an EP2 run
+    (same global batches; equal to the EP2 curve up to float summation order)."""
+    out = tmp_path / "run"
+    args = [*TINY, "--recipe", "bf16", "--steps", "8", "--out", str(out), "--val-every", "0"]
+    run(2, [*args, "--ckpt-every", "4"])
+    ep2 = metrics(out)
+    shutil.rmtree(out / "checkpoints" / "step_00000008")  # continue from step 4 at EP1
+    p = run(1, [*args, "--ckpt-every", "0", "--resume"])
+    assert "step_00000004" in p.stdout
+    ep1 = metrics(out)
+    assert [r["step"] for r in ep1] == list(range(1, 9))
+    for a, b in zip(ep2[4:], ep1[4:]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
