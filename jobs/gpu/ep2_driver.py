@@ -89,7 +89,7 @@ def cmd_env(args) -> dict:
     for mod in ("triton", "safetensors", "transformers", "numpy", "pandas"):
         try:
             info[mod] = __import__(mod).__version__
-        except Exception as e:  # an absent optional package is a fact to report, not an error
+        except Exception as e:  # noqa: BLE001 - an absent or broken package is a fact to report
             info[mod] = f"absent ({type(e).__name__})"
     if torch.cuda.is_available():
         info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
@@ -97,7 +97,7 @@ def cmd_env(args) -> dict:
                                for i in range(torch.cuda.device_count())]
     try:
         info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, text=True,
-                                            capture_output=True, timeout=10).stdout.strip()
+                                            capture_output=True, timeout=10, check=False).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         info["git_commit"] = "unknown"
     if args.out:
@@ -108,17 +108,45 @@ def cmd_env(args) -> dict:
 
 # --- write-init --------------------------------------------------------------------------
 
+def _random_model(name: str, seed: int, dev, group=None, *, fill: bool = True):
+    """The preset's model with N(0, init_std) weights drawn on `dev` (norm gains 1). Not the
+    model's own `reset_parameters`, which draws every expert on the CPU (about 10 s per billion
+    parameters there): this start checkpoint only needs real shapes and realistic magnitudes."""
+    import torch
+
+    from workbench.model import MoEForCausalLM, preset
+    from workbench.model.layers import RMSNorm
+
+    mcfg = preset(name)
+    model = MoEForCausalLM(mcfg, seed=seed, ep_group=group, device="meta", dtype=torch.float32)
+    model.to_empty(device=dev)  # buffers (RoPE) stay unset: this model is exported, never run
+    if not fill:
+        return model
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    with torch.no_grad():
+        for mod in model.modules():
+            for p in mod.parameters(recurse=False):
+                if isinstance(mod, RMSNorm):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, mcfg.init_std, generator=gen)
+    return model
+
+
 def cmd_write_init(args) -> dict:
-    """A packed compressed-tensors MXFP4 checkpoint of the preset's (random) initialisation."""
+    """A packed compressed-tensors MXFP4 checkpoint of a random model of the preset."""
     import torch
 
     from workbench.checkpoint.export import export_model
-    from workbench.model import MoEForCausalLM, preset
 
+    if args.env:
+        cmd_env(argparse.Namespace(out=args.env))
     name = ensure_preset(args.preset)
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     t0 = time.perf_counter()
-    model = MoEForCausalLM(preset(name), seed=args.seed, device=dev, dtype=torch.float32)
+    model = _random_model(name, args.seed, dev)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
     t1 = time.perf_counter()
     path = export_model(model, args.out, fmt="compressed-tensors", recipe="mxfp4")
     t2 = time.perf_counter()
@@ -128,7 +156,7 @@ def cmd_write_init(args) -> dict:
     expert_bytes = dense_bytes = 0
     for shard in sorted(set(index["weight_map"].values())):
         with safe_open(str(Path(path) / shard), "pt") as f:
-            for k in f.keys():
+            for k in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 sl = f.get_slice(k)
                 n = 1
                 for d in sl.get_shape():
@@ -154,7 +182,6 @@ def _probe_load(argv: list[str], info) -> None:
     import torch.distributed as dist
 
     from workbench.train import distributed
-    from workbench.train.build import build_model
     from workbench.train.cli import config_from_args
     from workbench.train.init import load_init
 
@@ -162,7 +189,10 @@ def _probe_load(argv: list[str], info) -> None:
     if not cfg.init:
         raise SystemExit("--probe-load needs --init in the trainer flags")
     cuda = info.device.type == "cuda"
-    model = build_model(cfg, info)
+    # This rank's parameter storage as the trainer allocates it (fp32, local experts), left
+    # uninitialised: --init overwrites every parameter (the trainer's build_model would first
+    # draw its own initialisation on the CPU, seconds per billion parameters).
+    model = _random_model(cfg.preset, cfg.seed, info.device, info.group, fill=False)
     if cuda:
         torch.cuda.synchronize(info.device)
         torch.cuda.reset_peak_memory_stats(info.device)
@@ -324,6 +354,7 @@ def main(argv: list[str] | None = None):
     w.add_argument("--preset", required=True)
     w.add_argument("--out", required=True)
     w.add_argument("--seed", type=int, default=1)
+    w.add_argument("--env", help="also write the env record (versions, GPUs) to this JSON file")
     t = sub.add_parser("train")
     t.add_argument("--probe-load", action="store_true")
     t.add_argument("trainer", nargs=argparse.REMAINDER)

@@ -114,8 +114,8 @@ if [ "$MODE" = gpu ]; then
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
   nvidia-smi topo -m 2>&1 | tee -a "$LOG"
 fi
-phase env 60 "$PY" "$DRIVER" env --out "$WORK/env.json"
-phase write_init 300 "$PY" "$DRIVER" write-init --preset "$PRESET" --out "$WORK/init" --seed 1
+phase write_init 300 "$PY" "$DRIVER" write-init --preset "$PRESET" --out "$WORK/init" --seed 1 \
+  --env "$WORK/env.json"
 if [ -f "$WORK/init/config.json" ]; then
   phase bf16 "$RUN_TIMEOUT" "${TORCHRUN[@]}" "$DRIVER" train --probe-load -- \
     "${COMMON[@]}" --recipe bf16 --ckpt-every 0 --out "$WORK/bf16"
