@@ -44,9 +44,17 @@ def e2m1_magnitude_code(mag: torch.Tensor, ties: str = "even") -> torch.Tensor:
     return code
 
 
-def _boundary_bits(dtype: torch.dtype) -> list[int]:
+def _read_boundary_bits(dtype: torch.dtype) -> tuple[int, ...]:
     t = torch.tensor(_E2M1_BOUNDARIES, dtype=dtype)  # every boundary is exact in all three
-    return t.view(_BITS_DTYPE[dtype]).tolist()
+    return tuple(t.view(_BITS_DTYPE[dtype]).tolist())
+
+
+# Read once at import: a .tolist() inside the encode path would break torch.compile graphs.
+_BOUNDARY_BITS = {dt: _read_boundary_bits(dt) for dt in _BITS_DTYPE}
+
+
+def _boundary_bits(dtype: torch.dtype) -> tuple[int, ...]:
+    return _BOUNDARY_BITS[dtype]
 
 
 def e2m1_encode(v: torch.Tensor, ties: str = "even") -> torch.Tensor:

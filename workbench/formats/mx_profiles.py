@@ -20,6 +20,11 @@ import torch
 
 from .constants import E8M0_BIAS, FormatSpec
 
+# fp32 mantissa field of each element format's max, read once at import: inside a traced
+# function a tensor .item() breaks the graph and dynamo's struct polyfill recurses.
+_MAX_MANTISSA = {v: struct.unpack("<I", struct.pack("<f", v))[0] & 0x7FFFFF
+                 for v in (6.0, 448.0, 57344.0)}
+
 # Scale rules, each a pure function of the block amax (fp32) to an unbiased exponent; see
 # ``scale_byte``. "Integer" rules read amax's bits, "float" rules repeat the library's float math.
 SCALE_RULES = ("floor", "ceil", "even", "rceil", "rceil-float", "even-fp4", "round-up-bits")
@@ -203,8 +208,7 @@ def scale_byte(amax_B: torch.Tensor, spec: FormatSpec, prof: MXProfile) -> torch
         elif rule == "rceil":
             # smallest k with max * 2^k >= amax, exactly: bump when amax's mantissa exceeds
             # max's (6 = 1.5 * 2^2, 448 = 1.75 * 2^8, 57344 = 1.75 * 2^15)
-            # plain-Python bit read: a tensor .item() here would break torch.compile graphs
-            max_mant = struct.unpack("<I", struct.pack("<f", spec.elem_max))[0] & 0x7FFFFF
+            max_mant = _MAX_MANTISSA[spec.elem_max]
             k = k + (mant > max_mant).to(torch.int32)
         byte = (k + E8M0_BIAS).clamp(0, 255)
         if rule == "even-fp4":
