@@ -297,7 +297,7 @@ def cmd_kill_at(args) -> dict:
     def _terminated(signum, frame):  # `timeout` stops us: the finally below reaps the tree
         raise SystemExit(f"kill-at: stopped by signal {signum}")
 
-    signal.signal(signal.SIGTERM, _terminated)
+    old_handler = signal.signal(signal.SIGTERM, _terminated)
     t0 = time.monotonic()
     proc = subprocess.Popen(args.command, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -335,6 +335,7 @@ def cmd_kill_at(args) -> dict:
                 except ProcessLookupError:
                     pass
         log.close()
+        signal.signal(signal.SIGTERM, old_handler)
     if (out / "metrics.jsonl").is_file():
         # --resume truncates metrics.jsonl; keep the pre-kill steps to compare with the rerun.
         shutil.copyfile(out / "metrics.jsonl", out / "metrics_before_kill.jsonl")
