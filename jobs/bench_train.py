@@ -3,8 +3,9 @@ per rank when loading a packed (MXFP4 compressed-tensors) checkpoint under EP1/E
 
     python jobs/bench_train.py [--preset tiny] [--steps 12] [--batch 8] [--seq 64] [--ep 1 2 4]
 
-Throughput: the same global batches for both recipes, median over the steps after the first two
-(warm-up), as the trainer logs them (`tokens_per_s` = global tokens / step wall time).
+Throughput: both recipes stepped alternately (the trainer's own `train_step`) on the same global
+batches, median over the steps after the first two (warm-up); `tokens_per_s` = global tokens /
+step wall time, as the trainer logs it.
 Memory: a model with large experts is exported once, then loaded with `--init`'s code path under
 torchrun with N ranks; each rank reports the expert bytes it holds, the checkpoint bytes it read
 and its peak RSS growth while building the model and loading (ru_maxrss - RSS before).
@@ -33,25 +34,34 @@ MEM_MODEL = {"hidden_size": 512, "expert_ffn": 512, "num_experts": 32, "num_laye
 
 
 def throughput(preset: str, steps: int, batch: int, seq: int) -> list[dict]:
+    """Both recipes built side by side and stepped alternately on the same global batches, so a
+    machine shared with other work slows both alike; medians over steps 3..N."""
     from workbench.train import distributed
+    from workbench.train.build import build
     from workbench.train.cli import config_from_args
-    from workbench.train.loop import train
-    from workbench.train.metrics import read_metrics
+    from workbench.train.data import load_corpus
+    from workbench.train.loop import train_step
 
     info = distributed.setup()
+    tokens = load_corpus().train
+    recipes = ("bf16", "mxfp4+mxfp8")
+    runs = {}
+    for recipe in recipes:
+        cfg = config_from_args(["--preset", preset, "--recipe", recipe, "--steps", str(steps),
+                                "--batch", str(batch), "--seq", str(seq), "--out", "unused"])
+        b = build(cfg, info)
+        runs[recipe] = (cfg, b, [])
+    for step in range(1, steps + 1):
+        for recipe in recipes:
+            cfg, b, recs = runs[recipe]
+            recs.append(train_step(b.model, b.opt, b.sched, tokens, cfg, info, step))
     rows = []
-    for recipe in ("bf16", "mxfp4+mxfp8"):
-        with tempfile.TemporaryDirectory() as out:
-            cfg = config_from_args(["--preset", preset, "--recipe", recipe, "--steps", str(steps),
-                                    "--batch", str(batch), "--seq", str(seq), "--out", out,
-                                    "--ckpt-every", "0", "--val-every", "0", "--wandb",
-                                    "disabled"])
-            train(cfg, info)
-            m = read_metrics(out)[2:]
-            rows.append({"recipe": recipe,
-                         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in m),
-                         "step_time_s": statistics.median(r["step_time_s"] for r in m),
-                         "final_loss": m[-1]["loss"]})
+    for recipe in recipes:
+        m = runs[recipe][2][2:]
+        rows.append({"recipe": recipe,
+                     "tokens_per_s": statistics.median(r["tokens_per_s"] for r in m),
+                     "step_time_s": statistics.median(r["step_time_s"] for r in m),
+                     "final_loss": m[-1]["loss"]})
     base = rows[0]["tokens_per_s"]
     for r in rows:
         r["vs_bf16"] = r["tokens_per_s"] / base

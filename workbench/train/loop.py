@@ -114,6 +114,35 @@ def validate(model, val_tokens: torch.Tensor, cfg: TrainConfig, info: DistInfo) 
     return _mean_over_ranks(total / cfg.val_batches, info)
 
 
+def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, info: DistInfo,
+               step: int) -> dict[str, Any]:
+    """One optimizer step on the global batch of `step` (this rank's slice); returns its metrics."""
+    from workbench.model import sync_gradients
+
+    t0 = time.perf_counter()
+    tok_BS = rank_slice(global_batch(train_tokens, seed=cfg.seed, index=step, batch=cfg.batch,
+                                     seq=cfg.seq), info.rank, info.world).to(info.device)
+    with _autocast(info):
+        res = model(tok_BS, labels_BS=tok_BS)
+    res.loss.backward()
+    if info.group is not None:
+        sync_gradients(model, info.group)
+    norm = global_grad_norm(model, info)
+    _clip_(model, norm, cfg.grad_clip)
+    lr = opt.param_groups[0]["lr"]
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    loss = _mean_over_ranks(float(res.ce_loss.detach()), info)
+    dt = time.perf_counter() - t0
+    return {
+        "step": step, "loss": loss, "grad_norm": float(norm), "lr": lr,
+        "tokens_per_s": cfg.batch * cfg.seq / dt, "step_time_s": dt,
+        "aux_loss": float(res.aux_loss.detach()) if res.aux_loss is not None else None,
+        "peak_mem_gib": _peak_mem_gib(info),
+    }
+
+
 def _write_json_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "w") as f:
@@ -127,8 +156,6 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
           on_step: Callable[[dict], None] | None = None, return_model: bool = False):
     """Run (or resume) `cfg` on this rank; every rank calls it. Returns the result dict
     (JSON-able; submitit pickles it back to the caller), or (result, model) with return_model."""
-    from workbench.model import sync_gradients
-
     cfg.check_world(info.world)
     out = Path(cfg.out)
     if not cfg.resume and ckpt.list_complete(out):
@@ -155,7 +182,6 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
             missing_ok=True)
     barrier(info)
     writer = MetricsWriter(out) if info.is_main else None
-    tokens_per_step = cfg.batch * cfg.seq
     meta = {"recipe": cfg.recipe, "preset": cfg.preset, "seed": cfg.seed}
 
     from tqdm.auto import tqdm
@@ -173,29 +199,8 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
                 stopped = True
                 break
             step += 1
-            t0 = time.perf_counter()
-            tok_BS = rank_slice(global_batch(corpus.train, seed=cfg.seed, index=step,
-                                             batch=cfg.batch, seq=cfg.seq),
-                                info.rank, info.world).to(info.device)
-            with _autocast(info):
-                res = model(tok_BS, labels_BS=tok_BS)
-            res.loss.backward()
-            if info.group is not None:
-                sync_gradients(model, info.group)
-            norm = global_grad_norm(model, info)
-            _clip_(model, norm, cfg.grad_clip)
-            lr = opt.param_groups[0]["lr"]
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            loss = _mean_over_ranks(float(res.ce_loss.detach()), info)
-            dt = time.perf_counter() - t0
-            rec: dict[str, Any] = {
-                "step": step, "loss": loss, "grad_norm": float(norm), "lr": lr,
-                "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                "aux_loss": float(res.aux_loss.detach()) if res.aux_loss is not None else None,
-                "peak_mem_gib": _peak_mem_gib(info),
-            }
+            rec = train_step(model, opt, sched, corpus.train, cfg, info, step)
+            loss = rec["loss"]
             if cfg.val_every and (step % cfg.val_every == 0 or step == cfg.steps):
                 rec["val_loss"] = validate(model, corpus.val, cfg, info)
             if not math.isfinite(loss):
