@@ -19,6 +19,6 @@ if [[ $STAGES == *qdq* ]]; then
   timeout 150 python3 jobs/bench_qdq.py ${QDQ_ARGS:-} 2>&1 | tee "$OUT/bench_qdq.log"
 fi
 if [[ $STAGES == *moe* ]]; then
-  timeout 110 python3 jobs/bench_qat_moe.py --k3 --recipes bf16,mxfp4+mxfp8,mxfp4 --iters 10 --profile 2>&1 \
+  timeout 110 python3 jobs/bench_qat_moe.py --k3 --recipes bf16,mxfp4+mxfp8 --iters 10 --profile 2>&1 \
     | tee "$OUT/bench_qat_moe.log" | grep -v "^\s*$" | head -120
 fi

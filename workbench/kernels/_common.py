@@ -18,15 +18,15 @@ import triton
 import triton.language as tl
 
 # fp32 bits of the E2M1 rounding boundaries 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0.
-B0: tl.constexpr = 0x3E800000
-B1: tl.constexpr = 0x3F400000
-B2: tl.constexpr = 0x3FA00000
-B3: tl.constexpr = 0x3FE00000
-B4: tl.constexpr = 0x40200000
-B5: tl.constexpr = 0x40600000
-B6: tl.constexpr = 0x40A00000
-QUIET: tl.constexpr = 0x00400000
-X86_DEFAULT_NAN: tl.constexpr = -4194304  # 0xFFC00000 as int32
+B0 = tl.constexpr(0x3E800000)
+B1 = tl.constexpr(0x3F400000)
+B2 = tl.constexpr(0x3FA00000)
+B3 = tl.constexpr(0x3FE00000)
+B4 = tl.constexpr(0x40200000)
+B5 = tl.constexpr(0x40600000)
+B6 = tl.constexpr(0x40A00000)
+QUIET = tl.constexpr(0x00400000)
+X86_DEFAULT_NAN = tl.constexpr(-4194304)  # 0xFFC00000 as int32
 
 
 @triton.jit

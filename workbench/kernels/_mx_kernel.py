@@ -22,9 +22,9 @@ from ._common import (bits_of, e2m1_code_rne, e2m1_round_value, e2m1_value, fp8_
                       pack_pairs, store_rounded, torchao_mx_nan_code, x86_mul_nan_bits)
 
 # scale rules, as constexpr ints
-FLOOR, CEIL, EVEN, RCEIL = 0, 1, 2, 3
+FLOOR, CEIL, EVEN, RCEIL = (tl.constexpr(i) for i in range(4))
 # element kinds
-E2M1, E4M3, E5M2 = 0, 1, 2
+E2M1, E4M3, E5M2 = (tl.constexpr(i) for i in range(3))
 
 
 @triton.jit

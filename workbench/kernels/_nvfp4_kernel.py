@@ -16,11 +16,11 @@ import triton.language as tl
 from ._common import (bits_of, e2m1_code_rne, e2m1_round_value, e2m1_value, fp8_round, load_f32,
                       pack_pairs, store_rounded, torchao_nvfp4_nan_code, x86_mul_nan_bits)
 
-TORCHAO, TE = 0, 1
-FLT_MAX: tl.constexpr = 3.4028234663852886e38
-E4M3_TINY: tl.constexpr = 0.015625  # 2^-6, torchao's block-scale floor
-RCP_6: tl.constexpr = 0.1666666716337204  # fp32(1/6), TE's constant
-RCP_2688: tl.constexpr = 0.00037202380388043821  # fp32(1/2688)
+TORCHAO, TE = tl.constexpr(0), tl.constexpr(1)
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+E4M3_TINY = tl.constexpr(0.015625)  # 2^-6, torchao's block-scale floor
+RCP_6 = tl.constexpr(0.1666666716337204)  # fp32(1/6), TE's constant
+RCP_2688 = tl.constexpr(0.00037202380388043821)  # fp32(1/2688)
 
 
 @triton.jit
@@ -32,11 +32,12 @@ def amax_kernel(x_ptr, part_ptr, n_per_expert, n_parts, BLOCK: tl.constexpr,
     offs = p * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_per_expert
     x = load_f32(x_ptr, e * n_per_expert + offs, mask, BF16_BITS)
-    a = tl.abs(x)
-    isnan = x != x
-    m = tl.max(tl.where(isnan, 0.0, a), axis=0)
-    if not IGNORE_NAN:
-        m = tl.where(tl.max(isnan.to(tl.int32), axis=0) > 0, float("nan"), m)
+    # integer max of the magnitude bits: NaN (bits above inf) wins with its payload, as
+    # torch's x.abs().amax() on the CPU returns it; zeroed first when NaN is skipped (TE)
+    m = bits_of(x) & 0x7FFFFFFF
+    if IGNORE_NAN:
+        m = tl.where(m > 0x7F800000, 0, m)
+    m = tl.max(m, axis=0).to(tl.float32, bitcast=True)
     tl.store(part_ptr + e * n_parts + p, m)
 
 
@@ -57,14 +58,17 @@ def nvfp4_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, n_blocks, blocks_per_exper
     m = bits_of(x) & 0x7FFFFFFF
     if PROFILE == TORCHAO:
         bamax = tl.max(m, axis=1).to(tl.float32, bitcast=True)
-        pts = tl.math.div_rn(amax, 2688.0)  # per_tensor_amax_to_scale
-        s = tl.math.div_rn(tl.math.div_rn(bamax, 6.0), pts)
+        # GPU arithmetic returns the canonical NaN; each step keeps the CPU's NaN payload instead
+        # (quantize() codes of NaN-scaled blocks read it, see _common.x86_mul_nan_bits)
+        pts = _keep_nan(tl.math.div_rn(amax, 2688.0), amax)  # per_tensor_amax_to_scale
+        s = _keep_nan(tl.math.div_rn(bamax, 6.0), bamax)
+        s = x86_div_nan_bits(bits_of(tl.math.div_rn(s, pts)), s, pts).to(tl.float32, bitcast=True)
         s = tl.where(s < E4M3_TINY, E4M3_TINY, tl.where(s > 448.0, 448.0, s))  # NaN stays
         sf = fp8_round(s, 3, 0.015625, 512.0, 0.001953125)
         # torch widens the e4m3 NaN byte to 0x7FF00000 (plus sign): later NaN payloads read it
         nan_sf = (0x7FF00000 | (bits_of(s) & -2147483648)).to(tl.float32, bitcast=True)
         sf = tl.where(sf != sf, nan_sf, sf)
-        inv_pts = tl.math.div_rn(1.0, pts)
+        inv_pts = _keep_nan(tl.math.div_rn(1.0, pts), pts)
         f = tl.math.div_rn(inv_pts, sf)
         f_bits = x86_div_nan_bits(bits_of(f), inv_pts, sf)
         f = f_bits.to(tl.float32, bitcast=True)
@@ -114,6 +118,12 @@ def _codes(x, v, f, PROFILE: tl.constexpr):
         return tl.where((vbits & 0x7FFFFFFF) > 0x7F800000, torchao_nvfp4_nan_code(vbits),
                         e2m1_code_rne(vbits))
     return tl.where(x != x, 7, e2m1_code_rne(bits_of(v)))
+
+
+@triton.jit
+def _keep_nan(r, a):
+    """``r = op(a, constant)`` with a's NaN payload (quietened) where a is NaN, as on x86."""
+    return tl.where(a != a, (bits_of(a) | 0x00400000).to(tl.float32, bitcast=True), r)
 
 
 @triton.jit

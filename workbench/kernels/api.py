@@ -142,7 +142,8 @@ def global_amax(x: torch.Tensor, *, per_leading: bool, ignore_nan: bool) -> torc
                                           BF16_BITS=x.dtype == torch.bfloat16, num_warps=8)
     else:
         part.zero_()
-    amax = part.amax(dim=1)  # torch.amax propagates NaN: a NaN partial wins
+    # partials are >= 0 (or NaN): an integer max on their bits propagates NaN with its payload
+    amax = part.view(torch.int32).amax(dim=1).view(torch.float32)
     if per_leading:
         return amax.reshape((n_exp,) + (1,) * (x.dim() - 1))
     return amax.reshape(())
