@@ -59,7 +59,7 @@ else
 fi
 # Seconds from start by which everything, the report included, must be done (device leases).
 DEADLINE="${DEADLINE:-900}"
-REPORT_RESERVE=75
+REPORT_RESERVE=60
 HALF=$((STEPS / 2))
 KILL_AT=$((HALF + 2 + (STEPS - HALF) / 10))  # a few steps past the step-HALF checkpoint
 if [ -z "$WORK" ]; then
@@ -103,6 +103,13 @@ EOF
   return "$rc"
 }
 
+size_of() {  # size_of NAME PATH: bytes on disk, into sizes.json (checkpoint and export sizes)
+  local b; b=$(du -sb "$2" 2>/dev/null | cut -f1)
+  "$PY" -c 'import json,sys; p,n,b=sys.argv[1:]; d=json.load(open(p)); d[n]=int(b or 0); json.dump(d,open(p,"w"))' \
+    "$WORK/sizes.json" "$1" "${b:-0}"
+}
+echo "{}" > "$WORK/sizes.json"
+
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node 2)
 DRIVER=jobs/gpu/ep2_driver.py
 COMMON=(--preset "$PRESET" --steps "$STEPS" --batch "$BATCH" --seq "$SEQ" --lr "$LR"
@@ -117,14 +124,19 @@ fi
 phase write_init 300 "$PY" "$DRIVER" write-init --preset "$PRESET" --out "$WORK/init" --seed 1 \
   --env "$WORK/env.json"
 if [ -f "$WORK/init/config.json" ]; then
+  size_of init_bytes "$WORK/init"
   phase bf16 "$RUN_TIMEOUT" "${TORCHRUN[@]}" "$DRIVER" train --probe-load -- \
     "${COMMON[@]}" --recipe bf16 --ckpt-every 0 --out "$WORK/bf16"
+  size_of bf16_dcp_bytes "$WORK/bf16/checkpoints"
+  rm -rf "$WORK/bf16/checkpoints"  # not needed again; frees tmpfs memory for the QAT run
   phase qat_killed "$RUN_TIMEOUT" "$PY" "$DRIVER" kill-at --out "$WORK/qat" --step "$KILL_AT" \
     --timeout "$RUN_TIMEOUT" -- "${TORCHRUN[@]}" "$DRIVER" train -- \
     "${COMMON[@]}" --recipe mxfp4+mxfp8 --ckpt-every "$HALF" --out "$WORK/qat"
   phase qat_resumed "$RUN_TIMEOUT" "${TORCHRUN[@]}" "$DRIVER" train -- \
     "${COMMON[@]}" --recipe mxfp4+mxfp8 --ckpt-every "$HALF" --out "$WORK/qat" \
     --resume --export compressed-tensors
+  size_of qat_dcp_bytes "$WORK/qat/checkpoints"
+  size_of export_bytes "$WORK/qat/export"
 fi
 phase report 180 "$PY" jobs/gpu/ep2_report.py --work "$WORK" --out "$RESULTS" --command "$COMMAND"
 

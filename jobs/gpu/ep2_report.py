@@ -317,7 +317,8 @@ def markdown(s: dict) -> str:
                   f"{r['detail']} |" for r in bt]
     else:
         lines.append(f"budgets: {(s.get('budgets') or {}).get('error')}")
-    lines.append(f"\nphases (s): {json.dumps(s.get('phases'))}")
+    lines.append(f"\nbytes on disk: {json.dumps(s.get('sizes'))}")
+    lines.append(f"phases (s): {json.dumps(s.get('phases'))}")
     return "\n".join(lines) + "\n"
 
 
@@ -332,7 +333,8 @@ def main(argv: list[str] | None = None) -> dict:
     work, out = Path(a.work), Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     s: dict = {"command": a.command, "env": _json(work / "env.json"),
-               "init": _json(work / "init_stats.json"), "phases": _json(work / "phases.json")}
+               "init": _json(work / "init_stats.json"), "phases": _json(work / "phases.json"),
+               "sizes": _json(work / "sizes.json")}
     _part(s, "run_bf16", run_stats, work / "bf16")
     _part(s, "run_qat", run_stats, work / "qat")
     _part(s, "load", load_probe, work)
