@@ -13,11 +13,12 @@ rate, speedup over torchao compiled. NVFP4 rows include the global-amax pass (on
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
-import torch  # noqa: E402
+import torch
 
 FORMATS = ("mxfp4", "mxfp8_e4m3", "nvfp4")
 
@@ -27,8 +28,11 @@ def _torchao_qdq(fmt: str):
     try:
         from torchao.prototype.mx_formats.config import ScaleCalculationMode
         from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
-        from torchao.prototype.mx_formats.nvfp4_tensor import (NVFP4Tensor, nvfp4_quantize,
-                                                               per_tensor_amax_to_scale)
+        from torchao.prototype.mx_formats.nvfp4_tensor import (
+            NVFP4Tensor,
+            nvfp4_quantize,
+            per_tensor_amax_to_scale,
+        )
     except ImportError:
         return None
     if fmt == "nvfp4":
@@ -52,7 +56,7 @@ def _bench(fn, x) -> float | None:
     try:
         fn(x)
         torch.cuda.synchronize()
-    except Exception as exc:  # a row that cannot run is reported, not fatal
+    except Exception as exc:  # noqa: BLE001 - a row that cannot run is reported, not fatal
         print(f"    ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
         return None
     return triton.testing.do_bench(lambda: fn(x), warmup=25, rep=100, return_mode="median")
@@ -71,9 +75,6 @@ def main(argv=None) -> None:
         raise SystemExit("bench_qdq needs a CUDA GPU (the kernels' CPU mode is the interpreter)")
     import triton
 
-    from workbench import formats as F
-    from workbench import kernels as K
-
     try:
         import torchao
         ao_ver = torchao.__version__
@@ -84,43 +85,50 @@ def main(argv=None) -> None:
     print(f"{'shape':<16}{'format':<12}{'impl':<22}{'ms':>9}{'GB/s':>9}{'of copy':>9}"
           f"{'vs ao.c':>9}")
     for si, text in enumerate(args.shapes.split(",")):
-        shape = tuple(int(s) for s in text.split("x"))
-        torch.manual_seed(0)
-        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-        nbytes = 2 * x.numel() * x.element_size()
-        out = torch.empty_like(x)
-        copy_ms = _bench(lambda t: out.copy_(t), x)
-
-        def row(fmt, name, ms, ao_c=None):
-            if ms is None:
-                print(f"{text:<16}{fmt:<12}{name:<22}{'n/a':>9}")
-                return
-            gbs = nbytes / ms / 1e6
-            rel = f"{copy_ms / ms:.0%}"
-            sp = f"{ao_c / ms:.2f}x" if ao_c else "-"
-            print(f"{text:<16}{fmt:<12}{name:<22}{ms:>9.3f}{gbs:>9.0f}{rel:>9}{sp:>9}", flush=True)
-
-        row("-", "copy", copy_ms)
-        for fmt in args.formats.split(","):
-            ao = _torchao_qdq(fmt)
-            ao_c_ms = None
-            if ao is not None:
-                if si == 0 or args.all_rows:
-                    row(fmt, "torchao eager", _bench(ao, x))
-                if not args.no_compile and (si == 0 or args.all_rows):
-                    ao_c_ms = _bench(torch.compile(ao), x)
-                    row(fmt, "torchao compiled", ao_c_ms)
-            if not args.no_compile and (si == 0 or args.all_rows):
-                ref = torch.compile(lambda t, f=fmt: F.fake_quantize(t, f))
-                row(fmt, "reference compiled", _bench(ref, x), ao_c_ms)
-            row(fmt, "triton (workbench)", _bench(lambda t, f=fmt: K.fake_quantize(t, f), x),
-                ao_c_ms)
-            if fmt == "nvfp4":
-                amax = x.abs().amax().float()
-                row(fmt, "triton, amax given",
-                    _bench(lambda t: K.fake_quantize(t, "nvfp4", global_amax=amax), x), ao_c_ms)
-        del x, out
+        _shape_rows(text, args.formats.split(","), full=si == 0 or args.all_rows,
+                    compile_rows=not args.no_compile)
         torch.cuda.empty_cache()
+
+
+def _shape_rows(text: str, formats: list[str], *, full: bool, compile_rows: bool) -> None:
+    """Every row of one shape; ``full`` adds torchao eager and the compiled rows."""
+    from workbench import formats as F
+    from workbench import kernels as K
+
+    shape = tuple(int(s) for s in text.split("x"))
+    torch.manual_seed(0)
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    nbytes = 2 * x.numel() * x.element_size()
+    out = torch.empty_like(x)
+    copy_ms = _bench(out.copy_, x)
+
+    def row(fmt, name, ms, ao_c=None):
+        if ms is None:
+            print(f"{text:<16}{fmt:<12}{name:<22}{'n/a':>9}")
+            return
+        gbs = nbytes / ms / 1e6
+        rel = f"{copy_ms / ms:.0%}"
+        sp = f"{ao_c / ms:.2f}x" if ao_c else "-"
+        print(f"{text:<16}{fmt:<12}{name:<22}{ms:>9.3f}{gbs:>9.0f}{rel:>9}{sp:>9}", flush=True)
+
+    row("-", "copy", copy_ms)
+    for fmt in formats:
+        ao = _torchao_qdq(fmt)
+        ao_c_ms = None
+        if ao is not None and full:
+            row(fmt, "torchao eager", _bench(ao, x))
+            if compile_rows:
+                ao_c_ms = _bench(torch.compile(ao), x)
+                row(fmt, "torchao compiled", ao_c_ms)
+        if compile_rows and full:
+            ref = torch.compile(functools.partial(F.fake_quantize, fmt=fmt))
+            row(fmt, "reference compiled", _bench(ref, x), ao_c_ms)
+        row(fmt, "triton (workbench)",
+            _bench(functools.partial(K.fake_quantize, fmt=fmt), x), ao_c_ms)
+        if fmt == "nvfp4":
+            amax = x.abs().amax().float()
+            fq = functools.partial(K.fake_quantize, fmt="nvfp4", global_amax=amax)
+            row(fmt, "triton, amax given", _bench(fq, x), ao_c_ms)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,15 @@
 the QAT grouped GEMM. Triton is imported on first use; without it, calls raise
 ``TritonUnavailable`` naming the ``gpu`` extra and ``workbench.qat`` keeps the reference path."""
 
-from .api import SUPPORTED, TritonUnavailable, available, fake_quantize, global_amax, quantize, supports
+from .api import (
+           SUPPORTED,
+           TritonUnavailable,
+           available,
+           fake_quantize,
+           global_amax,
+           quantize,
+           supports,
+)
 
 __all__ = ["SUPPORTED", "TritonUnavailable", "available", "fake_quantize", "global_amax",
            "quantize", "supports"]

@@ -30,6 +30,12 @@ X86_DEFAULT_NAN = tl.constexpr(-4194304)  # 0xFFC00000 as int32
 
 
 @triton.jit
+def is_nan(v):
+    # not libdevice.isnan: the interpreter cannot run it (ENVIRONMENT.md)
+    return v != v  # noqa: PLR0124
+
+
+@triton.jit
 def bits_of(v):
     return v.to(tl.int32, bitcast=True)
 
@@ -39,7 +45,7 @@ def x86_mul_nan_bits(vbits, a, b):
     """Bits of ``a * b`` as torch computes it on x86, given the device's result bits ``vbits``."""
     ab = a.to(tl.int32, bitcast=True)
     bb = b.to(tl.int32, bitcast=True)
-    nan_bits = tl.where(b != b, bb | QUIET, tl.where(a != a, ab | QUIET, X86_DEFAULT_NAN))
+    nan_bits = tl.where(is_nan(b), bb | QUIET, tl.where(is_nan(a), ab | QUIET, X86_DEFAULT_NAN))
     isnan = (vbits & 0x7FFFFFFF) > 0x7F800000
     return tl.where(isnan, nan_bits, vbits)
 
@@ -117,7 +123,7 @@ def fp8_round(v, MBITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_UP: tl.const
     r = tl.where(a < MIN_NORMAL, sub, normal)
     r = tl.where(v < 0, -r, r)
     r = tl.where(v == 0, v, r)  # keep the sign of zero
-    return tl.where(v != v, v, r)
+    return tl.where(is_nan(v), v, r)
 
 
 @triton.jit
@@ -143,7 +149,7 @@ def store_rounded(ptr, y, mask, BF16_BITS: tl.constexpr, HW: tl.constexpr):
     elif BF16_BITS:
         b = bits_of(y)
         r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        r = tl.where(y != y, b >> 16, r)
+        r = tl.where(is_nan(y), b >> 16, r)
         tl.store(ptr, r.to(tl.int16), mask=mask)
     else:
         tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)

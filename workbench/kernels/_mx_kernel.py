@@ -18,8 +18,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import (bits_of, e2m1_code_rne, e2m1_round_value, e2m1_value, fp8_round, load_f32,
-                      pack_pairs, store_rounded, torchao_mx_nan_code, x86_mul_nan_bits)
+from ._common import (
+    bits_of,
+    e2m1_code_rne,
+    e2m1_round_value,
+    e2m1_value,
+    fp8_round,
+    is_nan,
+    load_f32,
+    pack_pairs,
+    store_rounded,
+    torchao_mx_nan_code,
+    x86_mul_nan_bits,
+)
 
 # scale rules, as constexpr ints
 FLOOR, CEIL, EVEN, RCEIL = (tl.constexpr(i) for i in range(4))
@@ -114,6 +125,6 @@ def mx_kernel(x_ptr, out_ptr, scale_ptr, enc_lut_ptr, dec_lut_ptr, n_blocks,
             q = _fp8(v, ELEM, ELEM_MAX, HW)
             qb = q.to(out_ptr.dtype.element_ty).to(tl.uint8, bitcast=True)
             nan_byte = (0x7F | ((vbits >> 24) & 0x80)).to(tl.uint8)
-            qb = tl.where(v != v, nan_byte, qb)
+            qb = tl.where(is_nan(v), nan_byte, qb)
             tl.store(out_ptr.to(tl.pointer_type(tl.uint8)) + idx, qb, mask=mask)
         tl.store(scale_ptr + blk, byte.to(tl.uint8), mask=bmask)

@@ -13,8 +13,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import (bits_of, e2m1_code_rne, e2m1_round_value, e2m1_value, fp8_round, load_f32,
-                      pack_pairs, store_rounded, torchao_nvfp4_nan_code, x86_mul_nan_bits)
+from ._common import (
+    bits_of,
+    e2m1_code_rne,
+    e2m1_round_value,
+    e2m1_value,
+    fp8_round,
+    is_nan,
+    load_f32,
+    pack_pairs,
+    store_rounded,
+    torchao_nvfp4_nan_code,
+    x86_mul_nan_bits,
+)
 
 TORCHAO, TE = tl.constexpr(0), tl.constexpr(1)
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -67,7 +78,7 @@ def nvfp4_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, n_blocks, blocks_per_exper
         sf = fp8_round(s, 3, 0.015625, 512.0, 0.001953125)
         # torch widens the e4m3 NaN byte to 0x7FF00000 (plus sign): later NaN payloads read it
         nan_sf = (0x7FF00000 | (bits_of(s) & -2147483648)).to(tl.float32, bitcast=True)
-        sf = tl.where(sf != sf, nan_sf, sf)
+        sf = tl.where(is_nan(sf), nan_sf, sf)
         inv_pts = _keep_nan(tl.math.div_rn(1.0, pts), pts)
         f = tl.math.div_rn(inv_pts, sf)
         f_bits = x86_div_nan_bits(bits_of(f), inv_pts, sf)
@@ -78,15 +89,15 @@ def nvfp4_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, n_blocks, blocks_per_exper
         bamax = tl.max(tl.where(m > 0x7F800000, 0, m), axis=1).to(tl.float32, bitcast=True)
         # compute_global_encode_scaling_factor_FP4: fminf(2688/amax, FLT_MAX), 1 for 0 / inf amax
         s_enc = tl.math.div_rn(2688.0, amax)
-        s_enc = tl.where((s_enc > FLT_MAX) | (s_enc != s_enc), FLT_MAX, s_enc)  # fmin
+        s_enc = tl.where((s_enc > FLT_MAX) | (is_nan(s_enc)), FLT_MAX, s_enc)  # fmin
         s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
         s = bamax * (s_enc * RCP_6)
-        s = tl.where((s > FLT_MAX) | (s != s), FLT_MAX, s)
+        s = tl.where((s > FLT_MAX) | (is_nan(s)), FLT_MAX, s)
         s = tl.where(s > 448.0, 448.0, s)  # __NV_SATFINITE
         sf = fp8_round(s, 3, 0.015625, 512.0, 0.001953125)
         s_dec = tl.math.div_rn(1.0, s_enc)
         rcp = tl.math.div_rn(1.0, sf * s_dec)
-        rcp = tl.where((rcp > FLT_MAX) | (rcp != rcp), FLT_MAX, rcp)
+        rcp = tl.where((rcp > FLT_MAX) | (is_nan(rcp)), FLT_MAX, rcp)
         v = x * rcp[:, None]
         f = rcp
         # the decode-direction global round trip of fake_quantize: (amax / 2688) * 2688
@@ -106,7 +117,7 @@ def nvfp4_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, n_blocks, blocks_per_exper
         tl.store(out_ptr + oidx, pack_pairs(code, NB, BLOCK), mask=mask)
         # sf is an exact e4m3 value; a NaN scale is written as torch's cast writes it (0x7F)
         sb = sf.to(scale_ptr.dtype.element_ty).to(tl.uint8, bitcast=True)
-        sb = tl.where(sf != sf, (0x7F | ((bits_of(sf) >> 24) & 0x80)).to(tl.uint8), sb)
+        sb = tl.where(is_nan(sf), (0x7F | ((bits_of(sf) >> 24) & 0x80)).to(tl.uint8), sb)
         tl.store(scale_ptr.to(tl.pointer_type(tl.uint8)) + blk, sb, mask=bmask)
 
 
@@ -117,13 +128,13 @@ def _codes(x, v, f, PROFILE: tl.constexpr):
         vbits = x86_mul_nan_bits(bits_of(v), x, f[:, None])
         return tl.where((vbits & 0x7FFFFFFF) > 0x7F800000, torchao_nvfp4_nan_code(vbits),
                         e2m1_code_rne(vbits))
-    return tl.where(x != x, 7, e2m1_code_rne(bits_of(v)))
+    return tl.where(is_nan(x), 7, e2m1_code_rne(bits_of(v)))
 
 
 @triton.jit
 def _keep_nan(r, a):
     """``r = op(a, constant)`` with a's NaN payload (quietened) where a is NaN, as on x86."""
-    return tl.where(a != a, (bits_of(a) | 0x00400000).to(tl.float32, bitcast=True), r)
+    return tl.where(is_nan(a), (bits_of(a) | 0x00400000).to(tl.float32, bitcast=True), r)
 
 
 @triton.jit
@@ -132,5 +143,5 @@ def x86_div_nan_bits(rbits, a, b):
     with torch 2.13; its multiplication returns the second, see ``_common.x86_mul_nan_bits``)."""
     ab = a.to(tl.int32, bitcast=True)
     bb = b.to(tl.int32, bitcast=True)
-    nan_bits = tl.where(a != a, ab | 0x00400000, tl.where(b != b, bb | 0x00400000, -4194304))
+    nan_bits = tl.where(is_nan(a), ab | 0x00400000, tl.where(is_nan(b), bb | 0x00400000, -4194304))
     return tl.where((rbits & 0x7FFFFFFF) > 0x7F800000, nan_bits, rbits)
