@@ -78,6 +78,33 @@ def e2m1_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
     return lut[(codes & 0xF).long()].to(dtype)
 
 
+_PAIR_LUTS: dict[tuple[torch.dtype, torch.device, bool], torch.Tensor] = {}
+
+
+def e2m1_decode_packed(packed: torch.Tensor, dtype: torch.dtype = torch.float32, *,
+                       neg_zero: bool = True) -> torch.Tensor:
+    """Packed FP4 bytes [..., K/2] -> values [..., K] in one gather.
+
+    The table has one entry per byte holding both decoded elements viewed as one wide integer;
+    gathering it with int64 indices is ~9x faster on CPU than unpacking nibbles and looking each
+    up. ``neg_zero=False`` decodes 0x8 as +0.0 (ModelOpt's dequantize).
+    """
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed FP4 data must be uint8, got {packed.dtype}")
+    key = (dtype, packed.device, neg_zero)
+    lut = _PAIR_LUTS.get(key)
+    if lut is None:
+        vals = torch.tensor(list(E2M1_MAGNITUDES) + [-m for m in E2M1_MAGNITUDES])
+        if not neg_zero:
+            vals[E2M1_SIGN_BIT] = 0.0
+        b = torch.arange(256)
+        pairs = torch.stack([vals[b & 0xF], vals[b >> 4]], dim=-1).to(dtype)
+        wide = {2: torch.int32, 4: torch.int64}[pairs.element_size()]
+        lut = _PAIR_LUTS[key] = pairs.view(wide).reshape(256).to(packed.device)
+    out = torch.index_select(lut, 0, packed.reshape(-1).long()).view(dtype)
+    return out.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     """[..., K] codes -> [..., K/2] bytes; element 2i in the low nibble, 2i+1 in the high nibble."""
     if codes.shape[-1] % 2:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .constants import FormatSpec
-from .elements import e2m1_magnitude_code, pack_fp4
+from .elements import e2m1_decode_packed, e2m1_magnitude_code, pack_fp4
 from .mx_profiles import MXProfile, cached_lut, mx_profile, scale_byte
 
 # torchao's _f32_to_floatx_unpacked on a NaN: its "normal" branch adds these to the bits.
@@ -155,14 +155,6 @@ def quantize_mx(x: torch.Tensor, spec: FormatSpec, profile: str) -> tuple[torch.
     return data, byte_B
 
 
-def _fp4_pair_lut(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[256, 2]: the two E2M1 values packed in each byte (low nibble first); 0x8 is -0.0."""
-    mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-    vals = torch.cat([mags, -mags])
-    b = torch.arange(256)
-    return torch.stack([vals[b & 0xF], vals[b >> 4]], dim=-1).to(dtype=dtype, device=device)
-
-
 def dequantize_mx(
     data: torch.Tensor, scale: torch.Tensor, spec: FormatSpec, profile: str, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -184,9 +176,7 @@ def dequantize_mx(
     if spec.element == "e2m1":
         if data.dtype != torch.uint8:
             raise TypeError(f"packed FP4 data must be uint8, got {data.dtype}")
-        lut = _fp4_pair_lut(wdt, data.device)
-        vals = torch.index_select(lut, 0, data.reshape(-1).int())
-        vals = vals.reshape(*data.shape[:-1], data.shape[-1] * 2)
+        vals = e2m1_decode_packed(data, wdt)
     else:
         if data.dtype != spec.elem_dtype:
             raise TypeError(f"{spec.name} data must be {spec.elem_dtype}, got {data.dtype}")

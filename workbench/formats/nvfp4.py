@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 
 from .constants import E2M1_SIGN_BIT, NVFP4_BLOCK, NVFP4_GLOBAL_DIVISOR
-from .elements import e2m1_decode, e2m1_encode, pack_fp4, unpack_fp4
+from .elements import e2m1_decode_packed, e2m1_encode, pack_fp4
 from .nvfp4_profiles import PROFILES, NVFP4Profile, get_profile
 
 Tensor = torch.Tensor
@@ -225,8 +225,5 @@ def dequantize_nvfp4(
     g = torch.as_tensor(g, dtype=torch.float32, device=data.device)
     if g.numel() == 1:
         g = g.reshape(())
-    codes = unpack_fp4(data)
-    c = e2m1_decode(codes)
-    if not prof.decode_neg_zero:
-        c = torch.where(codes == E2M1_SIGN_BIT, torch.zeros_like(c), c)
+    c = e2m1_decode_packed(data, torch.float32, neg_zero=prof.decode_neg_zero)
     return prof.decode(_blocks(c), scale, g).reshape(c.shape).to(dtype)
