@@ -11,8 +11,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest.importorskip("triton", reason="the kernels need Triton (the gpu extra)")
-
 
 @pytest.fixture
 def device() -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytest.importorskip("triton", reason="the kernels need Triton (the gpu extra)")
+
 from workbench import formats as F
 from workbench import kernels as K
 

@@ -9,6 +9,8 @@ import logging
 import pytest
 import torch
 
+pytest.importorskip("triton", reason="the kernels need Triton (the gpu extra)")
+
 from workbench import formats as F
 from workbench.qat import fake_quant_reference, grouped_mm
 from workbench.qat.ste import _fq
