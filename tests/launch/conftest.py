@@ -23,7 +23,8 @@ def slurm_cluster() -> str:
     require = os.environ.get("WORKBENCH_REQUIRE_SLURM") == "1"
     give_up = pytest.fail if require else pytest.skip
     if os.geteuid() != 0:
-        give_up(f"the local Slurm cluster needs root ({CLUSTER_SCRIPT} installs and starts daemons)")
+        give_up(f"the local Slurm cluster needs root "
+                f"({CLUSTER_SCRIPT} installs and starts daemons)")
     if not Path("/etc/debian_version").is_file():
         give_up(f"the local Slurm cluster needs Debian ({CLUSTER_SCRIPT} uses apt packages)")
     try:

@@ -49,7 +49,8 @@ def rank_info(argv):
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
     me = {"rank": rank, "world_size": world, "local_rank": int(os.environ["LOCAL_RANK"]),
-          "node": os.environ.get("SLURM_NODEID", "local"), "slurmd": os.environ.get("SLURMD_NODENAME"),
+          "node": os.environ.get("SLURM_NODEID", "local"),
+          "slurmd": os.environ.get("SLURMD_NODENAME"),
           "host": socket.gethostname(), "master_addr": os.environ["MASTER_ADDR"],
           "backend": dist.get_backend(), "all_reduce_sum": t.item(), "pid": os.getpid()}
     everyone = [None] * world
@@ -73,7 +74,7 @@ def counting_loop(argv):
     a = _args(argv)
     rank, world = dist.get_rank(), dist.get_world_size()
     out = Path(a.out)
-    if a.start_s:  # a slow start-up that resets the stop flag at its end, as the trainer's main does
+    if a.start_s:  # a slow start-up that then resets the stop flag, as the trainer's main does
         (out / f"starting{rank}").write_text("")
         time.sleep(a.start_s)
         _STOP = False

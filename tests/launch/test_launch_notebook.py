@@ -17,8 +17,10 @@ def test_launch_notebook_runs_two_recipes(tmp_path):
     papermill = pytest.importorskip("papermill", reason="needs the notebooks extra")
     out = tmp_path / "runs"
     executed = tmp_path / "02.ipynb"
-    papermill.execute_notebook(str(NOTEBOOK), str(executed), cwd=str(tmp_path), kernel_name="python3",
-                               parameters={"executor": "local", "ep": 2, "steps": 6, "out": str(out),
+    papermill.execute_notebook(str(NOTEBOOK), str(executed), cwd=str(tmp_path),
+                               kernel_name="python3",
+                               parameters={"executor": "local", "ep": 2, "steps": 6,
+                                           "out": str(out),
                                                "wandb": "disabled", "timeout_s": 600})
     nb = json.loads(executed.read_text())
     outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]

@@ -92,6 +92,7 @@ def test_json_round_trip_and_immutability(tmp_path):
 
 def test_import_is_light():
     code = ("import sys, workbench.launch; "
-            "print(sorted(m for m in ('submitit', 'pandas', 'torch', 'wandb') if m in sys.modules))")
+            "print(sorted(m for m in ('submitit', 'pandas', 'torch', 'wandb') "
+            "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

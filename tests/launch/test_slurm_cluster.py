@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -23,7 +24,8 @@ def test_two_nodes_up_with_accounting(slurm_cluster):
     assert set(states) == {"n1", "n2"}
     assert all(s in {"idle", "mix", "alloc"} for s in states.values()), states
     cpus = dict(line.split() for line in _run("sinfo", "-h", "-N", "-o", "%N %c").splitlines())
-    assert cpus == {"n1": "8", "n2": "8"}  # declared through config_overrides, more than the box has
+    # Declared through config_overrides: more CPUs than the machine has.
+    assert cpus == {"n1": "8", "n2": "8"}
     # sacct answers from slurmdbd (it exits non-zero when accounting is down).
     _run("sacct", "-n", "-X", "-S", "now-1hours", "-o", "JobID,State")
     clusters = _run("sacctmgr", "-n", "-P", "list", "cluster", "format=Cluster").split()
@@ -33,14 +35,15 @@ def test_two_nodes_up_with_accounting(slurm_cluster):
 def test_second_start_is_a_quick_no_op(slurm_cluster):
     ctld = _run("scontrol", "ping")
     t = time.monotonic()
-    out = subprocess.run([str(CLUSTER_SCRIPT)], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([str(CLUSTER_SCRIPT)], capture_output=True, text=True, timeout=120,
+                         check=True)
     assert out.stdout.strip().startswith("local-cluster: ready")
     assert time.monotonic() - t < 10
     assert "UP" in ctld and "UP" in _run("scontrol", "ping")
 
 
 def test_scripts_refuse_non_root_with_a_clear_message():
-    if subprocess.run(["id", "-u"], capture_output=True, text=True, check=True).stdout.strip() != "0":
+    if os.geteuid() != 0:
         pytest.skip("needs root to switch to an unprivileged user")
     for script in (CLUSTER_SCRIPT, CLUSTER_SCRIPT.with_name("stop-local-cluster.sh")):
         out = subprocess.run(["runuser", "-u", "nobody", "--", str(script)], capture_output=True,

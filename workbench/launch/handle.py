@@ -87,7 +87,8 @@ def _pid_running(pid: int) -> bool:
 
 
 class JobHandle:
-    """A submitted run: `.state`, `.wait()`, `.log_tail()`, `.metrics()`, `.result()`, `.cancel()`."""
+    """A submitted run: `.state`, `.wait()`, `.log_tail()`, `.metrics()`, `.result()`,
+    `.cancel()`, `.interrupt()`; `JobHandle.attach(folder_or_id)` from a new kernel."""
 
     def __init__(self, folder: str | Path, record: dict, submitit_job: object | None = None):
         self.folder = Path(folder)
@@ -116,7 +117,8 @@ class JobHandle:
     # --- persistence ---------------------------------------------------------------------------
     def _save(self) -> None:
         write_json_atomic(self.folder / LAUNCH_FILE, self._record)
-        write_json_atomic(index_dir() / f"{self.job_id}.json", {"folder": str(self.folder.resolve())})
+        write_json_atomic(index_dir() / f"{self.job_id}.json",
+                          {"folder": str(self.folder.resolve())})
 
     @classmethod
     def attach(cls, folder_or_id: str | Path) -> JobHandle:
@@ -133,7 +135,8 @@ class JobHandle:
         except (OSError, json.JSONDecodeError) as e:
             raise LaunchError(f"cannot read {p / LAUNCH_FILE}: {e}") from e
         if record.get("format") != FORMAT:
-            raise LaunchError(f"{p / LAUNCH_FILE}: format {record.get('format')!r}, expected {FORMAT!r}")
+            raise LaunchError(f"{p / LAUNCH_FILE}: format {record.get('format')!r}, "
+                              f"expected {FORMAT!r}")
         return cls(p, record)
 
     # --- state ---------------------------------------------------------------------------------
@@ -159,8 +162,8 @@ class JobHandle:
             if state in TERMINAL:
                 return state
             if end is not None and time.monotonic() > end:
-                raise TimeoutError(f"job {self.job_id} ({self.folder}) still {state} after {timeout}s"
-                                   f"\n{self.log_tail(10)}")
+                raise TimeoutError(f"job {self.job_id} ({self.folder}) still {state} after "
+                                   f"{timeout}s\n{self.log_tail(10)}")
             time.sleep(poll_s)
 
     # --- outputs -------------------------------------------------------------------------------

@@ -125,7 +125,7 @@ class DistributedJob(Checkpointable):
     pythonpath: tuple[str, ...] = ()
     resume: bool = False
     dist_timeout_s: int = 600
-    signal_delay_s: int = 90  # the executor's --signal=USR2@N: the time-limit warning comes N s early
+    signal_delay_s: int = 90  # --signal=USR2@N: the time-limit warning comes N s early
 
     def checkpoint(self, *args, **kwargs) -> _su.DelayedSubmission:
         # Only reached through submitit's own handler (signal before __call__ installed ours).
@@ -145,9 +145,10 @@ class DistributedJob(Checkpointable):
         # overwrite=True: sbatch exports the submitter's environment, which may carry a stale
         # RANK/MASTER_ADDR (e.g. when launched from inside another distributed job).
         denv = TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+        node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
         print(f"[workbench.launch] rank {denv.rank}/{denv.world_size} local_rank {denv.local_rank} "
-              f"on {os.environ.get('SLURMD_NODENAME', socket.gethostname())} master {denv.master_addr}:{denv.master_port} "
-              f"resume={self.resume}", flush=True)
+              f"on {node} master {denv.master_addr}:{denv.master_port} resume={self.resume}",
+              flush=True)
         own_pg = False
         if denv.world_size > 1 and not dist.is_initialized():
             cuda = torch.cuda.is_available()
@@ -201,7 +202,8 @@ class DistributedJob(Checkpointable):
         nxt.set_timeout(current._timeout_min, countdown)
         with _su.temporary_save_path(pickle_path) as tmp:
             nxt.dump(tmp)
-        print(f"[workbench.launch] rank 0: checkpoint saved ({'time limit' if timed_out else 'preempted'}),"
+        why = "time limit" if timed_out else "preempted"
+        print(f"[workbench.launch] rank 0: checkpoint saved ({why}),"
               f" requeueing job {env.job_id} ({countdown} time-limit requeues left)", flush=True)
         env._requeue(countdown)  # Slurm: scontrol requeue; local: exits with the requeue code
         sys.exit(-1)

@@ -17,4 +17,5 @@ def read_metrics(path: str | Path):
     p = Path(path)
     if (p / "metrics.jsonl").is_file() or p.is_file():
         return _read(p)
-    return pd.DataFrame({"step": pd.Series([], dtype="int64"), "loss": pd.Series([], dtype="float64")})
+    return pd.DataFrame({"step": pd.Series([], dtype="int64"),
+                         "loss": pd.Series([], dtype="float64")})

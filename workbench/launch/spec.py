@@ -93,8 +93,9 @@ class LaunchSpec:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 bad(f"{name} must be a non-negative int, got {v!r}")
-        if not isinstance(self.signal_delay_s, int) or not 0 < self.signal_delay_s < self.time_min * 60:
-            bad(f"signal_delay_s (the time-limit warning, {self.signal_delay_s!r} s before the end) "
+        delay = self.signal_delay_s
+        if not isinstance(delay, int) or not 0 < delay < self.time_min * 60:
+            bad(f"signal_delay_s (the time-limit warning, {delay!r} s before the end) "
                 f"must be positive and shorter than time_min ({self.time_min} min)")
         if self.executor not in EXECUTORS:
             bad(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
@@ -111,7 +112,8 @@ class LaunchSpec:
                 bad("profile applies to a quantized recipe; recipe 'bf16' has none")
         if self.export is not None and self.export not in EXPORTS:
             bad(f"export must be one of {EXPORTS} or None, got {self.export!r}")
-        if self.ckpt_every is not None and (not isinstance(self.ckpt_every, int) or self.ckpt_every < 1):
+        if self.ckpt_every is not None and (not isinstance(self.ckpt_every, int)
+                                            or self.ckpt_every < 1):
             bad(f"ckpt_every must be a positive int or None, got {self.ckpt_every!r}")
 
         tpn = self.tasks_per_node
@@ -130,7 +132,8 @@ class LaunchSpec:
             bad(f"with GPUs every rank needs its own GPU: tasks_per_node ({tpn}) > "
                 f"gpus_per_node ({self.gpus_per_node})")
         if self.executor == "local" and self.nodes != 1:
-            bad(f"executor='local' runs on this one machine, so nodes must be 1 (got {self.nodes}); "
+            bad(f"executor='local' runs on this one machine, so nodes must be 1 "
+                f"(got {self.nodes}); "
                 "use executor='slurm' for several nodes")
 
         for name in ("target", "stop_hook"):
@@ -142,7 +145,8 @@ class LaunchSpec:
         object.__setattr__(self, "trainer_args", tuple(str(a) for a in self.trainer_args))
         if isinstance(self.pythonpath, (str, bytes)):
             bad("pythonpath must be a sequence of folders, not one string")
-        object.__setattr__(self, "pythonpath", tuple(str(Path(p).resolve()) for p in self.pythonpath))
+        object.__setattr__(self, "pythonpath",
+                           tuple(str(Path(p).resolve()) for p in self.pythonpath))
         object.__setattr__(self, "sbatch", _frozen_str_map(self.sbatch, "sbatch"))
         object.__setattr__(self, "env", _frozen_str_map(self.env, "env"))
         if self.folder is not None:

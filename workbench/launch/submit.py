@@ -91,9 +91,9 @@ def make_executor(spec: LaunchSpec, submitit_folder: Path):
     setup = [f"export {k}={shlex.quote(v)}" for k, v in _job_env(spec).items()]
     ex = submitit.SlurmExecutor(folder=submitit_folder, python=shlex.quote(sys.executable),
                                 max_num_timeout=spec.max_requeues)
-    params = {"job_name": f"wb-{spec.name}", "nodes": spec.nodes, "ntasks_per_node": spec.tasks_per_node,
-                  "cpus_per_task": spec.cpus_per_task, "time": spec.time_min, "setup": setup,
-                  "signal_delay_s": spec.signal_delay_s}
+    params = {"job_name": f"wb-{spec.name}", "nodes": spec.nodes,
+              "ntasks_per_node": spec.tasks_per_node, "cpus_per_task": spec.cpus_per_task,
+              "time": spec.time_min, "setup": setup, "signal_delay_s": spec.signal_delay_s}
     if spec.gpus_per_node:
         params["gpus_per_node"] = spec.gpus_per_node
     if spec.partition:
@@ -139,7 +139,8 @@ def submit(spec: LaunchSpec) -> JobHandle:
     return _handle(spec, run_folder, submitit_folder, job)
 
 
-def sweep(spec: LaunchSpec, recipes: Sequence[str] | None = None, seeds: Sequence[int] | None = None,
+def sweep(spec: LaunchSpec, recipes: Sequence[str] | None = None,
+          seeds: Sequence[int] | None = None,
           profiles: Sequence[str | None] | None = None) -> list[JobHandle]:
     """One job array over recipes x seeds x profiles (each defaults to the spec's own value).
     Every element gets its own run folder under the sweep folder and the sweep's run group."""

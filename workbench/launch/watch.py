@@ -1,4 +1,4 @@
-"""Follow running jobs from a notebook or a terminal: a status table, live curves, a progress bar."""
+"""Follow running jobs from a notebook or a terminal: status table, live curves, progress bar."""
 
 from __future__ import annotations
 
