@@ -1,0 +1,176 @@
+"""Analysis benchmark: per-expert error of a multi-GB packed checkpoint, against the I/O ceiling.
+
+Uses the checkpoint of ``jobs/bench_checkpoint.py`` (compressed-tensors MXFP4, Qwen3-30B-A3B
+expert shapes; built once) and reports in one table, each pass in a fresh process:
+
+- plain sequential read of the shard files (the I/O ceiling), cold page cache;
+- ``workbench.analysis.stored_vs_recipes(ck, ["mxfp4:rceil"])``: decode every stored expert,
+  re-quantize it, compute every metric and the scale histogram (question 3), cold;
+- the naive path: ``safetensors.load_file`` of every shard (the whole checkpoint in memory),
+  decode all experts at once, then the same metrics. (transformers is not used for it: the
+  synthetic checkpoint holds experts only, so there is no model to instantiate.)
+Throughput is GB/s of packed bytes on disk; memory is peak anonymous RSS growth, also as a
+multiple of one expert projection's BF16 size.
+
+    python jobs/bench_analysis.py               # 2 GB checkpoint in /tmp/wb-bench-ckpt
+    python jobs/bench_analysis.py --small       # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import multiprocessing as mp
+import os
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def _bench_checkpoint():
+    spec = importlib.util.spec_from_file_location("bench_checkpoint", HERE / "bench_checkpoint.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_checkpoint"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class PeakAnon:
+    """Samples RssAnon every 20 ms on a thread (work runs in torch ops that release the GIL)."""
+
+    def __init__(self):
+        self.base = self.peak = self._read()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _read() -> int:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def _run(self):
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, self._read())
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self._read())
+
+
+def _workbench_pass(path: str, conn) -> None:
+    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    from workbench.analysis import stored_vs_recipes
+    from workbench.checkpoint import open_checkpoint
+
+    with PeakAnon() as mem:
+        t0, c0 = time.perf_counter(), time.process_time()
+        ck = open_checkpoint(path)
+        t = stored_vs_recipes(ck, ["mxfp4:rceil"], progress=True)
+        secs, cpu = time.perf_counter() - t0, time.process_time() - c0
+    rec = ck.experts()[0]
+    conn.send({"seconds": secs, "cpu_s": cpu, "rows": len(t.experts), "growth": mem.peak - mem.base,
+               "proj_bf16": rec.shape[0] * rec.shape[1] * 2,
+               "mean_rel_err": float(t.experts.rel_err.mean())})
+
+
+def _naive_pass(path: str, conn) -> None:
+    """Everything in memory first, then the same metrics."""
+    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    from safetensors.torch import load_file
+
+    from workbench.analysis import error_metrics
+    from workbench.formats import QuantizedTensor, dequantize, quantize
+
+    with PeakAnon() as mem:
+        t0, c0 = time.perf_counter(), time.process_time()
+        sd = {}
+        for f in sorted(Path(path).glob("*.safetensors")):
+            sd.update(load_file(str(f)))
+        names = sorted(n[: -len("_packed")] for n in sd if n.endswith("weight_packed"))
+        decoded = {}
+        for n in names:
+            d, s = sd[n + "_packed"], sd[n + "_scale"]
+            q = QuantizedTensor("mxfp4", "compressed-tensors", d, s, None, (d.shape[0], d.shape[1] * 2))
+            decoded[n] = dequantize(q, torch.bfloat16)
+        rows = []
+        for n, w in decoded.items():
+            q = quantize(w, "mxfp4:rceil")
+            rows.append(error_metrics(w, dequantize(q, torch.float32), q))
+        secs, cpu = time.perf_counter() - t0, time.process_time() - c0
+    conn.send({"seconds": secs, "cpu_s": cpu, "rows": len(rows), "growth": mem.peak - mem.base})
+
+
+def _in_child(target, path: str) -> dict:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=target, args=(path, child))
+    p.start()
+    out = parent.recv()
+    p.join()
+    if p.exitcode:
+        raise RuntimeError(f"{target.__name__} failed with exit code {p.exitcode}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    bc = _bench_checkpoint()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/wb-bench-ckpt"))
+    ap.add_argument("--size-gb", type=float, default=2.0)
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--skip-naive", action="store_true", help="the naive pass holds everything")
+    args = ap.parse_args(argv)
+    if args.small:
+        cfg = bc.BenchConfig(args.dir / "small", size_gb=0.06, hidden=1024, inter=512, experts=16,
+                             shard_gb=0.02)
+    else:
+        cfg = bc.BenchConfig(args.dir / f"{args.size_gb:g}gb", size_gb=args.size_gb)
+    path = bc.build_checkpoint(cfg)
+    files = sorted(path.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+
+    method = bc.evict(files)
+    n, read_s = bc.sequential_read(files, "read cold")
+    rows = [("sequential read (I/O ceiling)", read_s, None, None, None)]
+    bc.evict(files)
+    wb = _in_child(_workbench_pass, str(path))
+    rows.append(("workbench stored_vs_recipes (streamed)", wb["seconds"], wb["cpu_s"],
+                 wb["growth"], wb["rows"]))
+    if not args.skip_naive:
+        bc.evict(files)
+        nv = _in_child(_naive_pass, str(path))
+        rows.append(("naive: load all, decode all, compute", nv["seconds"], nv["cpu_s"],
+                     nv["growth"], nv["rows"]))
+    print(f"checkpoint: {path} ({len(files)} shards, {size / 1e9:.2f} GB), "
+          f"{cfg.layers} layers x {cfg.experts} experts x 3 projections, MXFP4 compressed-tensors")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, load avg "
+          f"{os.getloadavg()[0]:.1f}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+          f"python {platform.python_version()}; cache eviction: {method}")
+    print(f"{'pass':<42}{'wall s':>8}{'cpu s':>8}{'GB/s':>7}{'vs read':>8}{'mem growth MB':>15}"
+          f"{'x proj':>8}{'rows':>7}")
+    for what, secs, cpu, grow, nrows in rows:
+        cpu_s = f"{cpu:.1f}" if cpu is not None else "-"
+        g = f"{grow / 1e6:.0f}" if grow is not None else "-"
+        xp = f"{grow / wb['proj_bf16']:.1f}" if grow is not None else "-"
+        print(f"{what:<42}{secs:>8.1f}{cpu_s:>8}{size / secs / 1e9:>7.2f}"
+              f"{read_s / secs:>8.2f}{g:>15}{xp:>8}{nrows if nrows is not None else '-':>7}")
+    print(f"goal: analysis >= 0.5x the plain read rate -> {'met' if read_s / wb['seconds'] >= 0.5 else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
