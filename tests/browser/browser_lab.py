@@ -138,13 +138,16 @@ _CELLS_JS = """() => {
 
 
 def open_notebook(page, url: str, name: str, *, timeout_s: float = 60) -> None:
-    page.goto(f"{url}/lab/tree/{name}", wait_until="domcontentloaded")
-    page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
-                           " && window.jupyterapp.shell.currentWidget.sessionContext"
-                           " && window.jupyterapp.shell.currentWidget.sessionContext.session"
-                           " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
-                           " && window.jupyterapp.shell.currentWidget.sessionContext.session.kernel"
-                           ".connectionStatus === 'connected'", timeout=timeout_s * 1000)
+    """Open ``name`` in a fresh workspace (``?reset``: no tabs restored from an earlier visit)
+    and wait until it is the current panel with an idle kernel."""
+    page.goto(f"{url}/lab/tree/{name}?reset", wait_until="domcontentloaded")
+    page.wait_for_function(
+        """name => {
+          const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+          const k = w && w.context && w.context.path === name && w.sessionContext.session
+                    && w.sessionContext.session.kernel;
+          return !!k && k.connectionStatus === 'connected' && k.status === 'idle';
+        }""", arg=name, timeout=timeout_s * 1000)
     # The kernel indicator in the notebook toolbar names the venv kernel once it is up.
     page.locator(".jp-NotebookPanel-toolbar").get_by_text("Python 3").first.wait_for(
         timeout=timeout_s * 1000)

@@ -14,8 +14,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from browser_lab import (chromium, copy_notebook, jupyter_lab, open_notebook, png_images,
-                         run_all_from_menu, wait_all_executed)
+from browser_lab import (
+    chromium,
+    copy_notebook,
+    jupyter_lab,
+    open_notebook,
+    png_images,
+    run_all_from_menu,
+    wait_all_executed,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
@@ -46,9 +53,11 @@ def is_png(b: bytes) -> bool:
     return b[:8] == b"\x89PNG\r\n\x1a\n" and matplotlib.image.imread(io.BytesIO(b)).ndim == 3
 
 
-def cell(page, cells: list[dict], needle: str):
-    """The DOM cell of the code cell whose source contains ``needle`` (index from the model)."""
-    hits = [i for i, c in enumerate(cells) if c["type"] == "code" and needle in c["source"]]
+def cell(page, cells: list[dict], needle: str, *, exact: bool = False):
+    """The DOM cell of the code cell whose source contains (is) ``needle`` (index from the
+    notebook model)."""
+    hits = [i for i, c in enumerate(cells) if c["type"] == "code"
+            and (c["source"].strip() == needle if exact else needle in c["source"])]
     assert len(hits) == 1, f"{needle!r} is in cells {hits}"
     # JupyterLab skips rendering off-screen cells (content-visibility): bring it on screen.
     loc = page.locator(".jp-Notebook .jp-Cell").nth(hits[0])
@@ -166,6 +175,81 @@ def test_inspection_notebook_heatmaps_and_expert_picker(tmp_path, browser_ready,
             picker.get_by_role("button", name="down").click()
             wait_changed(picker, before)
             shots.append(shoot(picker, artifacts, "01_expert_picker.png"))
+        except BaseException:
+            s.on_failure()
+            raise
+    publish(shots, artifacts, screenshot_dirs)
+
+
+def test_launch_notebook_live_progress_then_budgets(tmp_path, browser_ready, artifacts,
+                                                     screenshot_dirs):
+    """02_launch_qat: two EP4 runs on the local executor, watched live in the browser; then
+    03_budgets on the runs it made."""
+    root = tmp_path / "lab"
+    root.mkdir()
+    steps = 6
+    n02, n03 = "02_launch_qat.ipynb", "03_budgets.ipynb"
+    copy_notebook(NOTEBOOKS / n02, root / n02, {
+        "executor": "local", "ep": 4, "steps": steps, "recipes": ["bf16", "mxfp4+mxfp8"],
+        "out": "runs/launch", "wandb": "disabled", "timeout_s": 600})
+    copy_notebook(NOTEBOOKS / n03, root / n03, {
+        "group_dir": "runs/launch", "group": None, "baseline": None, "val_loss_pct": 2.0,
+        "divergence_window": 20, "max_step_time_ratio": 2.0, "max_fake_quant_share": 0.5,
+        "expert_error": False, "expert_metric": "rel_err"})
+    shots: list[str] = []
+    seen: list[str] = []  # status tables shown while the runs were going
+
+    def watch_progress(page) -> None:
+        watch = page.locator(".jp-Notebook .jp-Cell", has_text="final = watch(")
+        table = watch.locator(".jp-OutputArea table")
+        if not table.count():
+            return
+        text = table.first.text_content()
+        if "RUNNING" in text and (not seen or text != seen[-1]):
+            seen.append(text)
+            # The walk-through's picture: the live table (and curve, once metrics exist) as
+            # late in the run as it was seen.
+            shoot(watch.locator(".jp-OutputArea"), artifacts, "02_progress.png")
+
+    with jupyter_lab(root, tmp_path / "jupyter") as url, chromium(tmp_path / "profile") as page:
+        s = Session(page, artifacts, tmp_path / "jupyter" / "jupyter.log")
+        try:
+            open_notebook(page, url, n02)
+            page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
+            run_all_from_menu(page)
+            cells = wait_all_executed(page, timeout_s=600, poll=watch_progress)
+            # Progress appeared while the jobs ran: a live status table with a running job.
+            assert seen, "no live status table with a running job was shown"
+            shots.append("02_progress.png")
+            watched = cell(page, cells, "final = watch(").locator(".jp-OutputArea")
+            final = watched.locator("table").first.text_content()
+            assert final.count("COMPLETED") == 2 and "RUNNING" not in final, final
+            final = watched.text_content().replace("\u2007", " ")  # tqdm's figure spaces
+            # tqdm's notebook bar counts the steps of both runs.
+            bar = watched.locator(".widget-hprogress, .widget-progress").first
+            assert "steps (all runs)" in final and bar.count(), watched.evaluate(
+                "e => [...e.querySelectorAll('.jupyter-widgets')].map(w => w.className)")
+            assert f"{2 * steps}/{2 * steps}" in final, final
+            curve = cell(page, cells, "plot_curves(curves(jobs)")
+            imgs = png_images(curve)
+            assert len(imgs) == 1 and is_png(imgs[0])
+            shots.append(shoot(curve, artifacts, "02_curves.png"))
+            launched = sorted(p.parent.name for p in (root / "runs" / "launch").glob("*/launch.json"))
+            assert launched == ["tiny-bf16-ep4-s0", "tiny-mxfp4+mxfp8-ep4-s0"], launched
+
+            open_notebook(page, url, n03)
+            run_all_from_menu(page)
+            cells = wait_all_executed(page, timeout_s=180)
+            verdicts = cell(page, cells, "cmp.budgets", exact=True).locator(".jp-OutputArea")
+            text = verdicts.text_content()
+            assert "tiny-mxfp4+mxfp8-ep4-s0" in text and "val_loss within 2%" in text, text[-800:]
+            shots.append(shoot(verdicts, artifacts, "03_budget_table.png"))
+            for needle, name in (('plot_curves(cmp.curves, "loss"', "03_curves.png"),
+                                 ("plot_budgets(cmp.budgets)", "03_budgets.png")):
+                c = cell(page, cells, needle)
+                imgs = png_images(c)
+                assert len(imgs) == 1 and is_png(imgs[0]), needle
+                shots.append(shoot(c.locator(".jp-OutputArea"), artifacts, name))
         except BaseException:
             s.on_failure()
             raise
