@@ -40,7 +40,7 @@ def e2m1_magnitude_code(mag: torch.Tensor, ties: str = "even") -> torch.Tensor:
         # exactly when the upper code i+1 is even: then the test is >=, i.e. > bits - 1.
         up = ties == "away" or (ties == "even" and i % 2 == 1)
         torch.gt(bits, bound - 1 if up else bound, out=hit)
-        code += hit.view(torch.uint8)
+        code += hit.to(torch.uint8)  # .to, not a bool .view: Inductor rejects the latter
     return code
 
 
@@ -66,7 +66,7 @@ def e2m1_encode(v: torch.Tensor, ties: str = "even") -> torch.Tensor:
     if v.dtype not in _BITS_DTYPE:
         v = v.float()
     code = e2m1_magnitude_code(v.abs(), ties)
-    code.add_(torch.signbit(v).view(torch.uint8), alpha=E2M1_SIGN_BIT)
+    code.add_(torch.signbit(v).to(torch.uint8), alpha=E2M1_SIGN_BIT)
     return code
 
 

@@ -88,7 +88,7 @@ def _fp4_codes(v: torch.Tensor, prof: MXProfile) -> torch.Tensor:
         # only fp32 values have mantissa bits that low; bf16 never reaches this window
         lost = (mag > 0.25) & (mag <= _STICKY_EDGE)
         code = torch.where(lost, 0, code).to(torch.uint8)
-    code.add_(_negative(v, prof).view(torch.uint8), alpha=8)  # bool is one 0/1 byte
+    code.add_(_negative(v, prof).to(torch.uint8), alpha=8)
     return code
 
 
