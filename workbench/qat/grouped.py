@@ -58,6 +58,11 @@ def grouped_mm(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor, *,
     if x_TI.is_cuda:
         from workbench.kernels import grouped as fast
 
+        if torch.is_autocast_enabled("cuda"):
+            # fp32 masters under bf16 autocast: cast as autocast would for a matmul (after fake
+            # quantization, whose values bf16 holds exactly), so the grouped kernel can take them
+            dt = torch.get_autocast_dtype("cuda")
+            x_TI, w_EOI = x_TI.to(dt), w_EOI.to(dt)
         if fast.usable(x_TI, w_EOI, ends[-1] if ends else 0):
             return fast.grouped_mm_cuda(x_TI, w_EOI, offs, ends[-1])
     # A loop over experts is the readable reference and is exact on CPU. torch._grouped_mm runs
