@@ -27,5 +27,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	bash .ci/test.sh
 
+lab: $(STAMP)
+	bash jobs/lab.sh
+
 clean-venv:
 	rm -rf $(VENV)

@@ -10,6 +10,15 @@ if [ -x jobs/slurm/local-cluster.sh ] && [ "$(id -u)" = 0 ] && [ -f /etc/debian_
   export WORKBENCH_REQUIRE_SLURM=1
   timeout 600 jobs/slurm/local-cluster.sh || echo "local Slurm cluster did not start (the slurm tests will fail)"
 fi
+# Browser tests (marker browser) drive Debian's Chromium through Playwright (whose own browser
+# download cannot work offline): install both when missing; they skip only where this cannot.
+.venv/bin/python -c "import playwright" 2>/dev/null ||
+  .venv/bin/python -m pip install -q -c constraints.txt playwright || echo "playwright did not install"
+if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && [ -f /etc/debian_version ]; then
+  apt_install() { DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -q --no-install-recommends chromium >/dev/null; }
+  apt_install || { timeout 300 apt-get update -q >/dev/null && apt_install; } ||
+    echo "chromium did not install; browser tests will fail"
+fi
 .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadgroup "$@"
 rc=$?
 if [ "$rc" = 5 ]; then echo "pytest collected no tests"; fi
