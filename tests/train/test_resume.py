@@ -133,11 +133,36 @@ def test_request_stop_checkpoints_and_returns(tmp_path, reference_runs):
         assert res["stopped"] is True and res["step"] == 5
         assert [f.step for f in list_complete(out)] == [5]
         assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5]
-        res = main([*args, "--resume"])  # main clears the flag; a fresh start continues at 6
+        clear_stop()  # train() leaves the flag set (main clears it once train returns)
+        res = main([*args, "--resume"])
     finally:
         torch.set_num_threads(threads)
     assert res["stopped"] is False and res["step"] == STEPS
     _assert_same_curve(metrics(out), reference_runs(1, "bf16", STEPS))
+
+
+def test_stop_requested_before_main_is_honoured_at_the_first_step_boundary(tmp_path):
+    """A launcher's stop that lands while the trainer is still starting up is not lost: main
+    checkpoints at the first step boundary (step 0), returns stopped, and clears the flag."""
+    from workbench.train import loop
+    from workbench.train.cli import main
+
+    out = tmp_path / "run"
+    args = [*TINY, "--recipe", "bf16", "--steps", "3", "--out", str(out), "--ckpt-every", "0",
+            "--val-every", "0"]
+    loop.clear_stop()
+    loop.request_stop()
+    try:
+        res = main(args)
+    finally:
+        stuck = loop._stop_requested
+        loop.clear_stop()
+    assert res["stopped"] is True and res["step"] == 0
+    assert [f.step for f in list_complete(out)] == [0]
+    assert not stuck  # main cleared it after train returned
+    res = main([*args, "--resume"])  # the requeued attempt trains from the step-0 checkpoint
+    assert res["stopped"] is False and res["step"] == 3
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
 
 
 def test_resume_without_checkpoint_starts_fresh_and_truncates_nothing(tmp_path):

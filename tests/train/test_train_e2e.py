@@ -89,6 +89,10 @@ def test_wandb_offline_history_equals_metrics(tmp_path):
     assert list(hist["loss"]) == [r["loss"] for r in rows]
     assert hist["val_loss"].iloc[-1] == rows[-1]["val_loss"]
     assert runs[0].config["recipe"] == "bf16" and runs[0].config["world_size"] == 1
+    # The final summary reaches the run (it is sent before the run is finished).
+    result = json.loads((out / "result.json").read_text())
+    assert runs[0].summary["final_loss"] == rows[-1]["loss"] == result["final_loss"]
+    assert runs[0].summary["step"] == 3 and runs[0].summary["recipe"] == "bf16"
 
 
 def test_fresh_start_refuses_a_directory_with_checkpoints(tmp_path):

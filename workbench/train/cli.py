@@ -105,15 +105,19 @@ def main(argv: list[str] | None = None) -> dict:
                                  dir=str(cfg.out), config=resolved)
             logger.log_config(resolved)
         previous = _install_signal_handlers()
-        clear_stop()
         try:
             result = train(cfg, info, logger=logger)
+            # Before finish(): a summary sent to a finished run is dropped.
+            if logger is not None and not result["stopped"]:
+                logger.summary({k: v for k, v in result.items()
+                                if isinstance(v, (int, float, str))})
         finally:
             _restore_signal_handlers(previous)
+            # Cleared only now, not at start-up: a stop a launcher requested while this process
+            # was still starting (building, loading --init) is honoured at the first step boundary.
+            clear_stop()
             if logger is not None:
                 logger.finish()
-        if logger is not None and not result["stopped"]:
-            logger.summary({k: v for k, v in result.items() if isinstance(v, (int, float, str))})
         return result
     finally:
         distributed.teardown(info)
