@@ -28,6 +28,10 @@ class QuantizedTensor:
            (x ~ code * scale * global_scale); a 0-dim tensor, or ``[E, 1, 1]``-style when one
            scale per leading index was asked for. None for MX.
     shape: the logical shape; differs from the padded storage only in the last dim.
+    library_global: NVFP4 only, optional: the same global in the form the profile's library
+           stores (TE: amax; compressed-tensors: 2688/amax). Those two decode from that form,
+           and ``global_scale`` converted back can miss it by an fp32 ulp (up to 2 ulps in the
+           output), so ``dequantize`` uses it when present. ``quantize`` always fills it.
     """
 
     fmt: str
@@ -36,6 +40,7 @@ class QuantizedTensor:
     scale: torch.Tensor
     global_scale: torch.Tensor | None
     shape: tuple[int, ...]
+    library_global: torch.Tensor | None = None
 
     @property
     def spec(self) -> FormatSpec:
@@ -94,12 +99,12 @@ def quantize(
         from .mx import quantize_mx
 
         data, scale = quantize_mx(x, spec, recipe.profile)
-        gs = None
+        gs = lib = None
     else:
-        from .nvfp4 import quantize_nvfp4
+        from .nvfp4 import quantize_nvfp4_parts
 
-        data, scale, gs = quantize_nvfp4(x, recipe.profile, global_amax=global_amax)
-    return QuantizedTensor(recipe.fmt, recipe.profile, data, scale, gs, shape)
+        data, scale, gs, lib = quantize_nvfp4_parts(x, recipe.profile, global_amax)
+    return QuantizedTensor(recipe.fmt, recipe.profile, data, scale, gs, shape, lib)
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -112,7 +117,8 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.bfloat16) -> torch
     else:
         from .nvfp4 import dequantize_nvfp4
 
-        out = dequantize_nvfp4(q.data, q.scale, q.global_scale, q.profile, dtype)
+        out = dequantize_nvfp4(q.data, q.scale, q.global_scale, q.profile, dtype,
+                               library_global=q.library_global)
     k = q.shape[-1]
     return out if out.shape[-1] == k else out[..., :k]
 
