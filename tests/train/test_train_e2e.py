@@ -116,3 +116,35 @@ def test_ep2_cli_run_exports_packed_checkpoint(tmp_path):
     ck = open_checkpoint(out / "export")
     assert ck.layout == "compressed-tensors" and ck.num_experts(0) == 8
     assert not list(tmp_path.glob(".tmp-*")) and not list(out.glob(".tmp-*"))
+
+
+def test_resumed_run_continues_the_same_wandb_run(tmp_path):
+    """The wandb run id drawn on the first start is stored in the run folder and reused on
+    --resume: the offline folder holds one run (two segments) whose history is steps 1..4."""
+    from workbench.track.offline import find_runs, run_files
+
+    out = tmp_path / "run"
+    args = [a for a in TINY if a not in ("--wandb", "disabled")]
+    args += ["--wandb", "offline", "--out", str(out), "--ckpt-every", "0", "--val-every", "0"]
+    run(1, [*args, "--steps", "2"])
+    stored = (out / "wandb_run_id").read_text().strip()
+    run(1, [*args, "--steps", "4", "--resume"])
+    assert (out / "wandb_run_id").read_text().strip() == stored
+    assert len(run_files(out / "wandb")) == 2  # one segment per attempt
+    runs = find_runs(out / "wandb")
+    assert [r.id for r in runs] == [stored]
+    hist = runs[0].history.sort_values("_step")
+    assert list(hist["_step"]) == [1, 2, 3, 4]
+    assert list(hist["loss"]) == [r["loss"] for r in metrics(out)]
+
+
+def test_fresh_start_keeps_the_stored_wandb_run_id(tmp_path):
+    """A refused fresh start (checkpoints present) leaves config.json and the run id alone."""
+    out = tmp_path / "run"
+    main([*TINY, "--steps", "1", "--out", str(out), "--val-every", "0"])
+    stored = (out / "wandb_run_id").read_text()
+    config = (out / "config.json").read_text()
+    with pytest.raises(FileExistsError, match="--resume"):
+        main([*TINY, "--steps", "2", "--out", str(out), "--val-every", "0", "--seed", "5"])
+    assert (out / "wandb_run_id").read_text() == stored
+    assert (out / "config.json").read_text() == config

@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import secrets
 import signal
 import threading
 from pathlib import Path
 from typing import Any
 
 from workbench.train.config import EXPORTS, RECIPES, WANDB_MODES, TrainConfig, preset_config
+
+WANDB_RUN_ID_FILE = "wandb_run_id"
+_RUN_ID_RE = re.compile(r"[a-z0-9]{8,32}")
 
 # CLI flag -> TrainConfig field, for the flags whose default comes from the preset.
 _OVERRIDES = {"steps": "steps", "seed": "seed", "ckpt_every": "ckpt_every", "val_every": "val_every",
@@ -82,14 +88,35 @@ def _restore_signal_handlers(previous: dict) -> None:
         signal.signal(sig, handler)
 
 
+def wandb_run_id(out: Path, *, resume: bool) -> str:
+    """The wandb run id of the run in `out`: drawn on a fresh start and stored in
+    `out/WANDB_RUN_ID_FILE`, read back on --resume, so every attempt of a preempted or
+    requeued run logs into one wandb run (offline segments merge by id)."""
+    path = out / WANDB_RUN_ID_FILE
+    if resume and path.is_file():
+        run_id = path.read_text().strip()
+        if not _RUN_ID_RE.fullmatch(run_id):
+            raise ValueError(f"{path}: {run_id!r} is not a wandb run id (8-32 of [a-z0-9]); "
+                             "delete the file to start a new wandb run")
+        return run_id
+    run_id = secrets.token_hex(8)  # wandb's own ids are lowercase alphanumerics too
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(run_id + "\n")
+    os.replace(tmp, path)
+    return run_id
+
+
 def main(argv: list[str] | None = None) -> dict:
     from workbench.train import distributed
-    from workbench.train.loop import clear_stop, train
+    from workbench.train.loop import check_fresh_start, clear_stop, train
 
     cfg = config_from_args(argv)
     info = distributed.setup()
     try:
         cfg.check_world(info.world)
+        # Before config.json and a fresh wandb run id replace those a --resume of the run in
+        # `out` would need (train() checks again, for callers that skip main).
+        check_fresh_start(cfg)
         resolved = {**cfg.to_dict(), "world_size": info.world, "ep_size": info.world,
                     "device": str(info.device)}
         logger = None
@@ -102,7 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
 
             logger = make_logger(cfg.wandb, rank=info.rank, project=cfg.project,
                                  group=cfg.run_group, name=cfg.run_name or Path(cfg.out).name,
-                                 dir=str(cfg.out), config=resolved)
+                                 dir=str(cfg.out), config=resolved,
+                                 run_id=wandb_run_id(out, resume=cfg.resume))
             logger.log_config(resolved)
         previous = _install_signal_handlers()
         try:

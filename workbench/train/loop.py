@@ -143,6 +143,16 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
     }
 
 
+def check_fresh_start(cfg: TrainConfig) -> None:
+    """A run without --resume must not start in a folder that holds another run's checkpoints."""
+    found = ckpt.list_complete(cfg.out) if not cfg.resume else []
+    if found:
+        # A later --resume would pick the old run's newest checkpoint over this run's.
+        raise FileExistsError(f"{cfg.out} already holds checkpoints of a run "
+                              f"(newest step {found[-1].step}); pass --resume "
+                              "to continue it, or choose a new --out")
+
+
 def _write_json_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "w") as f:
@@ -158,11 +168,7 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
     (JSON-able; submitit pickles it back to the caller), or (result, model) with return_model."""
     cfg.check_world(info.world)
     out = Path(cfg.out)
-    if not cfg.resume and ckpt.list_complete(out):
-        # A later --resume would pick the old run's newest checkpoint over this run's.
-        raise FileExistsError(f"{out} already holds checkpoints of a run "
-                              f"(newest step {ckpt.list_complete(out)[-1].step}); pass --resume "
-                              "to continue it, or choose a new --out")
+    check_fresh_start(cfg)
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
     barrier(info)
