@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -201,21 +200,3 @@ def png_images(locator) -> list[bytes]:
             continue
         out.append(base64.b64decode(src.split(",", 1)[1]))
     return out
-
-
-def save_screenshot(target, name: str, *dirs: Path) -> list[Path]:
-    """Screenshot a page or locator into every folder of ``dirs`` (atomically: tmp + rename)."""
-    written = []
-    png = target.screenshot(animations="disabled")
-    for d in dirs:
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".{name}.tmp"
-        tmp.write_bytes(png)
-        os.replace(tmp, d / name)
-        written.append(d / name)
-    return written
-
-
-def copy_tree(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
