@@ -34,15 +34,33 @@ def lr_factor(i: int, *, warmup: int, steps: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_model(cfg: TrainConfig, info: DistInfo) -> nn.Module:
+def build_model(cfg: TrainConfig, info: DistInfo, *, overwritten: bool = False) -> nn.Module:
+    """`overwritten`: every parameter is about to be loaded (--init or a checkpoint), so the
+    seeded initialisation (drawn on CPU, seconds per billion parameters) is skipped and the
+    parameters are left uninitialised; the loaders fail on any tensor they cannot fill."""
     from workbench.model import MoEForCausalLM, preset
 
     mcfg = preset(cfg.preset, max_seq_len=max(cfg.seq, preset(cfg.preset).max_seq_len))
     if mcfg.num_experts % info.world:
         raise ValueError(f"preset {cfg.preset!r} has {mcfg.num_experts} experts, which do not "
                          f"split over EP size {info.world} (EP size = world size)")
-    return MoEForCausalLM(mcfg, seed=cfg.seed, ep_group=info.group, device=info.device,
-                          dtype=torch.float32)
+    if not overwritten:
+        return MoEForCausalLM(mcfg, seed=cfg.seed, ep_group=info.group, device=info.device,
+                              dtype=torch.float32)
+    # On the meta device the model skips reset_parameters (see MoEForCausalLM.__init__).
+    model = MoEForCausalLM(mcfg, seed=cfg.seed, ep_group=info.group, device="meta",
+                           dtype=torch.float32)
+    return materialize_(model, info.device)
+
+
+def materialize_(model: nn.Module, device: torch.device) -> nn.Module:
+    """Allocate a meta-built MoEForCausalLM on `device`, parameters uninitialised: what its
+    constructor does after its own to_empty, minus the seeded draw."""
+    model.to_empty(device=device)
+    if model.config.tie_embeddings:  # to_empty allocates the two names separately
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb.reset_inv_freq()  # a non-persistent buffer: no loader restores it
+    return model
 
 
 def prepare_qat(model: nn.Module, cfg: TrainConfig) -> Any:
@@ -79,7 +97,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig):
 
 def build(cfg: TrainConfig, info: DistInfo, *, resuming: bool = False) -> Built:
     """`resuming`: a checkpoint will overwrite every weight, so --init is not read."""
-    model = build_model(cfg, info)
+    model = build_model(cfg, info, overwritten=resuming or bool(cfg.init))
     if cfg.init and not resuming:
         from workbench.train.init import load_init
 

@@ -1,0 +1,60 @@
+"""build(): a model whose weights --init or a checkpoint will overwrite is built on the meta
+device and allocated without the seeded draw; it must end up exactly the model the loaders fill."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import TINY
+
+from workbench.model import MoEForCausalLM, tiny
+from workbench.train import distributed
+from workbench.train.build import build, materialize_
+from workbench.train.cli import config_from_args
+
+
+def _no_draw(self, seed=0):
+    raise AssertionError("reset_parameters ran although the weights are overwritten")
+
+
+def test_init_build_skips_the_draw_and_holds_the_init_weights(tmp_path, monkeypatch):
+    from workbench.checkpoint.export import export_model
+
+    src = MoEForCausalLM(tiny(), seed=3)
+    path = export_model(src, tmp_path / "bf16", fmt="bf16")
+    ref = MoEForCausalLM(tiny(), seed=3)  # the same weights, through the ordinary build + load
+    from workbench.train.init import load_init
+
+    info = distributed.setup()
+    load_init(path, ref, info)
+    cfg = config_from_args([*TINY, "--out", str(tmp_path / "run"), "--init", str(path)])
+    monkeypatch.setattr(MoEForCausalLM, "reset_parameters", _no_draw)
+    model = build(cfg, info).model
+    got, want = dict(model.named_parameters()), dict(ref.named_parameters())
+    assert got.keys() == want.keys()
+    for name, p in want.items():
+        assert torch.equal(got[name], p), name
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq,
+                               rtol=0, atol=0)
+
+
+def test_fresh_build_still_draws_the_seeded_init(tmp_path):
+    cfg = config_from_args([*TINY, "--out", str(tmp_path / "run"), "--seed", "4"])
+    model = build(cfg, distributed.setup()).model
+    ref = MoEForCausalLM(tiny(), seed=4)
+    for (n, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_materialize_matches_the_constructor(tied):
+    mcfg = dataclasses.replace(tiny(), tie_embeddings=tied)
+    ref = MoEForCausalLM(mcfg, seed=1)
+    model = materialize_(MoEForCausalLM(mcfg, seed=9, device="meta"), torch.device("cpu"))
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    model.load_state_dict(ref.state_dict(), strict=True)
+    ids = torch.randint(0, mcfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=0)
