@@ -333,9 +333,6 @@ def test_gpt_oss_extreme_scale_bytes_decode_like_transformers(tmp_path):
     assert torch.isinf(got).any() and (got.abs() < 1e-37).any()
 
 
-@pytest.mark.xfail(strict=True, reason="transformers decodes byte 0xFF with ldexp (x * 2^128, "
-                   "zeros stay zero); no workbench.formats MX decoder does that yet (the "
-                   "'compressed-tensors' decoder multiplies by inf, so 0 codes become NaN)")
 def test_gpt_oss_byte_255_decodes_like_transformers(tmp_path):
     got, want = _gpt_oss_specials(tmp_path, [255, 128])
     same = (got == want) | (got.isnan() & want.isnan())

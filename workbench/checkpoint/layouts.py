@@ -47,11 +47,11 @@ SUFFIXES = {
     "dense": {},
 }
 # the workbench.formats profile whose *decoder* matches each layout's reference loader.
-# gpt-oss: transformers decodes `_blocks/_scales` with ldexp (byte 0 -> 2^-127, 0xFF -> inf, no
-# saturation), which is compressed-tensors' MX decoder too; triton_kernels' own decoder would
-# saturate and give NaN for 0xFF.
+# gpt-oss: transformers decodes `_blocks/_scales` with ldexp (byte 0 -> 2^-127, 0xFF -> the exact
+# 2^128, so zero codes stay zero, no saturation): the "transformers" profile; triton_kernels' own
+# decoder would saturate and give NaN for 0xFF, compressed-tensors' NaN for 0 x 2^128.
 STORED_PROFILE = {"compressed-tensors": "compressed-tensors", "modelopt": "modelopt-export",
-                  "gpt-oss": "compressed-tensors"}
+                  "gpt-oss": "transformers"}
 EXTRA_PARAMS = re.compile(r"(input|output)_(scale|global_scale|zero_point)|[kvq]_scale")
 _EP = re.compile(r"@ep\d+$")
 _E8 = (torch.uint8, torch.float8_e8m0fnu)

@@ -78,16 +78,20 @@ MX_PROFILES = (
     "modelopt-export",
     "triton-kernels",
     "triton-kernels-main",
+    "transformers",
 )
-# compressed-tensors and ModelOpt write no MXFP8 E5M2 (mx_profiles.PROFILES says who writes what).
-MX_E5M2_PROFILES = tuple(p for p in MX_PROFILES if p not in ("compressed-tensors", "modelopt-export"))
+# compressed-tensors and ModelOpt write no MXFP8 E5M2, transformers only MXFP4
+# (mx_profiles.PROFILES says who writes what).
+MX_E5M2_PROFILES = tuple(p for p in MX_PROFILES
+                         if p not in ("compressed-tensors", "modelopt-export", "transformers"))
+MX_E4M3_PROFILES = tuple(p for p in MX_PROFILES if p != "transformers")
 NVFP4_PROFILES = ("torchao", "te", "modelopt-export", "compressed-tensors")
 
 FORMATS: dict[str, FormatSpec] = {
     "mxfp4": FormatSpec("mxfp4", "e2m1", MX_BLOCK, "e8m0", E2M1_MAX, E2M1_EMAX,
                         E2M1_MANTISSA_BITS, MX_PROFILES, "rceil"),
     "mxfp8_e4m3": FormatSpec("mxfp8_e4m3", "e4m3", MX_BLOCK, "e8m0", E4M3_MAX, E4M3_EMAX,
-                             E4M3_MANTISSA_BITS, MX_PROFILES, "rceil"),
+                             E4M3_MANTISSA_BITS, MX_E4M3_PROFILES, "rceil"),
     "mxfp8_e5m2": FormatSpec("mxfp8_e5m2", "e5m2", MX_BLOCK, "e8m0", E5M2_MAX, E5M2_EMAX,
                              E5M2_MANTISSA_BITS, MX_E5M2_PROFILES, "rceil"),
     "nvfp4": FormatSpec("nvfp4", "e2m1", NVFP4_BLOCK, "e4m3", E2M1_MAX, E2M1_EMAX,

@@ -134,7 +134,8 @@ def e8m0_to_fp32(b: torch.Tensor, nan_byte: str = "nan") -> torch.Tensor:
 
     Byte 0 is 2^-127, an fp32 subnormal (bits 0x00400000), not zero. Byte 0xFF is NaN per the
     spec (torchao, TE, PyTorch, ml_dtypes) or +inf where a decoder computes 2**(b-127) in float
-    (gpt-oss, transformers, compressed-tensors): ``nan_byte`` picks "nan" or "inf".
+    (compressed-tensors): ``nan_byte`` picks "nan" or "inf". (transformers' ldexp decode is the
+    exact 2^128, which no fp32 scale holds: see ``mx_profiles.MXProfile.dec_byte255``.)
     """
     if b.dtype != torch.uint8:
         raise TypeError(f"E8M0 scales must be uint8 bytes, got {b.dtype}")

@@ -189,6 +189,10 @@ def dequantize_mx(
         )
     # vals is a fresh tensor: scale it in place (one allocation less than torchao's to_dtype)
     out_BK = _blocks(vals, spec.block).mul_(s_B.unsqueeze(-1))
+    if prof.dec_byte255 == "ldexp" and (_dense() or bool((scale == 0xFF).any())):
+        # the table holds 2^127 for byte 0xFF; times 2 is exact or overflows to +-inf, as
+        # ldexp(code, 128) does, and zero codes stay zero (a single x * inf would be NaN)
+        out_BK = torch.where((scale == 0xFF).unsqueeze(-1), out_BK * 2, out_BK)
     if prof.dec_saturate:
         fmax = torch.finfo(dtype).max
         out_BK = torch.where(torch.isnan(out_BK), out_BK, out_BK.clamp(-fmax, fmax))

@@ -33,6 +33,8 @@ SCALE_RULES = ("floor", "ceil", "even", "rceil", "rceil-float", "even-fp4", "rou
 #   "negative": only values < 0 after scaling in the input dtype (compressed-tensors: -0.0 -> 0x0)
 #   "not-positive": everything that is not > 0 (ModelOpt export: +0.0 -> 0x8)
 SIGN_MODES = ("bits", "negative", "not-positive")
+# How a decoder reads E8M0 byte 0xFF; see ``MXProfile.dec_byte255``.
+DEC_BYTE255 = ("nan", "inf", "ldexp")
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,9 @@ class MXProfile:
     sign:         one of ``SIGN_MODES``.
     nan_amax:     "propagate" (torch.amax) or "ignore" (max.f32 / maxnum in Triton reductions).
     dec_byte0:    decoded value of byte 0 (2^-127 everywhere now; older triton_kernels used 0).
-    dec_byte255:  "nan" (torchao, ml_dtypes, triton_kernels) or "inf" (2**(b-127) decoders).
+    dec_byte255:  "nan" (torchao, ml_dtypes, triton_kernels), "inf" (2**(b-127) decoders: a zero
+                  code times inf is NaN) or "ldexp" (transformers: torch.ldexp(code, 128), the
+                  exact product, so zero codes stay +-0, code 0.5 gives 2^127, larger ones +-inf).
     dec_saturate: clamp decoded values to the output dtype's finite range (triton_kernels).
     formats:      formats the library writes with this behaviour.
     truncated_sticky: E2M1 rounding shifts the low mantissa bits of values in [0.25, 0.5) out
@@ -84,8 +88,8 @@ class MXProfile:
             raise ValueError(f"profile {self.name}: scale_rule must be one of {SCALE_RULES}")
         if self.sign not in SIGN_MODES:
             raise ValueError(f"profile {self.name}: sign must be one of {SIGN_MODES}")
-        if self.dec_byte255 not in ("nan", "inf"):
-            raise ValueError(f"profile {self.name}: dec_byte255 must be 'nan' or 'inf'")
+        if self.dec_byte255 not in DEC_BYTE255:
+            raise ValueError(f"profile {self.name}: dec_byte255 must be one of {DEC_BYTE255}")
         if self.nan_amax not in ("propagate", "ignore"):
             raise ValueError(f"profile {self.name}: nan_amax must be 'propagate' or 'ignore'")
 
@@ -167,6 +171,16 @@ PROFILES: dict[str, MXProfile] = {
                                      dec_byte255="nan", dec_saturate=True, formats=_ALL_MX,
                                      source="triton_kernels on triton main (0616e645, 01757dc2)",
                                      truncated_sticky=True, dec_fp16_scale=True),
+    # What a gpt-oss checkpoint means to transformers (the layouts' reference loader): written by
+    # the triton_kernels gpt-oss shipped with (quantize_to_mxfp4 -> downcast_to_mxfp, so encode
+    # fields are "triton-kernels"), read by convert_moe_packed_tensors: torch.ldexp(code,
+    # byte - 127) in the output dtype, no saturation, byte 0 = 2^-127 and 0xFF the exact 2^128.
+    "transformers": MXProfile("transformers", "round-up-bits", nan_byte=0x00, inf_byte=0xFF,
+                              enc_byte0=0.0, enc_byte255=0.0, ties="away", sign="bits",
+                              nan_amax="ignore", dec_byte0=_TWO_M127, dec_byte255="ldexp",
+                              dec_saturate=False, formats=("mxfp4",),
+                              source="transformers 5.24 integrations.mxfp4 (triton d1c192b7 "
+                                     "encode, convert_moe_packed_tensors decode)"),
 }
 
 
@@ -254,8 +268,10 @@ def encode_multipliers(prof: MXProfile) -> torch.Tensor:
 
 
 def decode_scales(prof: MXProfile) -> torch.Tensor:
-    """fp32 [256]: the decoded value of each E8M0 byte under a profile (byte 0 is 2^-127)."""
+    """fp32 [256]: the decoded value of each E8M0 byte under a profile (byte 0 is 2^-127;
+    byte 0xFF is half the scale under "ldexp")."""
     lut = torch.ldexp(torch.ones(256, dtype=torch.float64), torch.arange(256) - 127).float()
     lut[0] = prof.dec_byte0
-    lut[255] = float("nan") if prof.dec_byte255 == "nan" else float("inf")
+    # "ldexp": 2^128 is no fp32 value; dequantize_mx multiplies byte-0xFF blocks by 2 once more
+    lut[255] = {"nan": float("nan"), "inf": float("inf"), "ldexp": 2.0**127}[prof.dec_byte255]
     return lut
