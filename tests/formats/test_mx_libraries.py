@@ -7,6 +7,7 @@ those inputs out, and the test says so.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -28,6 +29,7 @@ from mx_cases import (
 
 from workbench.formats import dequantize, fake_quantize, quantize
 from workbench.formats.constants import FORMATS
+from workbench.formats.elements import unpack_fp4
 
 MX = ["mxfp4", "mxfp8_e4m3", "mxfp8_e5m2"]
 FINITE = tuple(s for s in SPECIALS if s not in ("nan", "inf", "-inf"))
@@ -153,6 +155,26 @@ def test_torchao_nan_block_bytes_spelled_out():
     assert rceil[:, 0].tolist() == quantize(x, "mxfp4", "rceil").scale[:, 0].tolist()
     assert rceil[0, 0] == 0xFF and rceil[1, 0] == 0xFE and rceil[2, 0] == 0 and rceil[3, 0] == 0
     assert floor[0, 0] == 0xFF
+
+
+@pytest.mark.parametrize("profile", ["rceil", "floor"])
+def test_fp16_decode_of_an_inf_block_is_torchaos_nan(profile):
+    """Reported as a bug: an fp16 row holding inf gets scale byte 254 (rceil) or 253 (floor),
+    and its fp16 decode has NaN where the codes are 0. torchao's to_dtype does exactly that:
+    it rounds the scale to fp16 (inf from 2^16 up, byte 143) before multiplying, and 0 * inf is NaN. We keep its bytes;
+    only the fp32 decode gives 0 there."""
+    x = torch.linspace(-2, 2, 64, dtype=torch.float16).reshape(2, 32)
+    x[0, 3] = float("inf")
+    q = quantize(x, "mxfp4", profile)
+    assert q.scale[0, 0] >= 143 and q.scale[1, 0] < 143
+    data, scale = torchao_oracle(x.float(), "mxfp4", profile)  # torchao takes no fp16 input
+    assert torch.equal(q.scale, scale) and torch.equal(q.data, data)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        assert same_values(dequantize(q, dtype), torchao_decode(q.data, q.scale, "mxfp4", dtype))
+    zero_codes = unpack_fp4(q.data[0]) & 7 == 0
+    assert zero_codes.sum() == 31
+    assert torch.isnan(dequantize(q, torch.float16)[0, zero_codes]).all()
+    assert (dequantize(q, torch.float32)[0, zero_codes] == 0).all()  # a finite fp32 scale
 
 
 def test_triton_kernels_truncated_sticky_window():

@@ -63,7 +63,9 @@ class MXProfile:
                   (0.25, 0.25 + 3 * 2^-25] round down to 0 instead of up to 0.5.
     dec_fp16_scale: for fp16 output the decoder rounds the scale to fp16 first (so scales
                   outside fp16's range become 0 or inf) and multiplies in fp16: torchao's
-                  to_dtype and both triton_kernels upcasts. Others multiply in fp32.
+                  to_dtype and both triton_kernels upcasts. Others multiply in fp32. So a block
+                  with byte >= 143 (scale >= 2^16, only reached by an inf amax from fp16 data)
+                  decodes to fp16 inf/NaN (0 * inf) even for zero codes, as torchao does.
     """
 
     name: str
