@@ -39,7 +39,9 @@ def test_make_lab_prints_a_working_url(tmp_path, browser_ready, artifacts):
                JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), JUPYTER_CONFIG_DIR=str(tmp_path / "cfg"),
                JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
                JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"))
-    proc = subprocess.Popen(["bash", "jobs/lab.sh", "--no-browser", "--ServerApp.port_retries=0"],
+    # Opening a notebook makes Jupyter write a checkpoint next to it: keep that out of the repo.
+    proc = subprocess.Popen(["bash", "jobs/lab.sh", "--no-browser", "--ServerApp.port_retries=0",
+                             f"--FileCheckpoints.checkpoint_dir={tmp_path / 'checkpoints'}"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     log: list[str] = []
