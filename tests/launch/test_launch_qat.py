@@ -99,3 +99,31 @@ def test_preempted_qat_resumes_on_the_same_curve(slurm_cluster, local_run, tmp_p
     assert job.result()["step"] == STEPS
     _curve_matches(job, ref)  # continuous, and the resumed half is the same training
 
+
+
+@pytest.mark.slurm
+def test_outside_requeue_restarts_the_trainer_with_resume(slurm_cluster, local_run, tmp_path):
+    """`scontrol requeue` from outside (what a node failure does) bypasses the job's preemption
+    handler, so Slurm restarts the original submission (resume=False). The second attempt must
+    still pass --resume: it continues from the newest checkpoint instead of failing on the
+    trainer's refusal to start a fresh run over one that has checkpoints."""
+    from workbench.train.checkpointing import list_complete
+
+    ref, _ = local_run
+    job = submit(_qat(tmp_path, "requeue", trainer_args=("--ckpt-every", "2")))
+    end = time.monotonic() + WAIT_S
+    while not list_complete(job.folder):
+        assert time.monotonic() < end and job.state in {"PENDING", "RUNNING"}, job.log_tail(40)
+        time.sleep(0.2)
+    assert len(job.metrics()) < STEPS, "the run ended before it could be requeued"
+    subprocess.run(["scontrol", "requeue", job.job_id], check=True, timeout=60)
+    assert job.wait(timeout=WAIT_S) == "COMPLETED", job.log_tail(60)
+    log = job.log_tail(2000, rank=0)
+    assert "resume=False restart=1" in log, log  # the original pickle, second attempt
+    assert len([ln for ln in log.splitlines() if ln.startswith("[train] resumed from")]) == 1, log
+    assert "FileExistsError" not in log
+    states = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-o", "State", "-j", job.job_id],
+                            capture_output=True, text=True, timeout=30, check=True).stdout.split()
+    assert states == ["REQUEUED", "COMPLETED"], states
+    assert job.result()["step"] == STEPS
+    _curve_matches(job, ref)

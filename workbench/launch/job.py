@@ -18,7 +18,8 @@ Preemption and time limits, designed against submitit 1.5.4's sources
 * So `__call__` replaces (only) the SIGUSR2 handler with one that calls `stop_hook()`
   (`workbench.train.loop.request_stop`), which merely sets a flag: safe in a signal handler.
   The request is latched: a helper thread re-asserts it every 0.5 s until the target returns,
-  because the trainer resets its flag while starting up and the signal may come before that.
+  so a signal that comes during start-up survives a target that resets its flag there (the
+  workbench trainer no longer does: it clears the flag only after training returns).
   Slurm delivers `scancel --signal=USR2` (what `job._interrupt()` sends) and the `--signal=USR2@90`
   warning before the time limit to every task; one rank receiving it is enough, because the trainer
   all-reduces the flag at each step boundary. All ranks then save a DCP checkpoint and the trainer
@@ -36,8 +37,11 @@ Preemption and time limits, designed against submitit 1.5.4's sources
 * A SIGUSR2 that arrives during start-up, before our handler is installed, still reaches
   submitit's handler; `checkpoint()` then returns the `resume=True` resubmission, which is safe
   because no collective has started.
-* An outside `scontrol requeue` (e.g. node failure) does not call `checkpoint()`; the job restarts
-  from the original pickle. Pass `--resume` in the spec's trainer_args to always resume.
+* An outside `scontrol requeue` (e.g. a node failure) does not call `checkpoint()`; the job
+  restarts from the original pickle, with `resume=False`. Slurm numbers the restarts of a job in
+  `SLURM_RESTART_COUNT` (every task of an attempt sees the same value), so any attempt after the
+  first passes `--resume` anyway: it continues from the newest complete checkpoint (or starts
+  fresh if there is none) instead of meeting the trainer's refusal to overwrite a run.
 
 This relies on private submitit 1.5.4 names (`DelayedSubmission._timeout_min`,
 `_timeout_countdown`, `JobEnvironment._requeue`, `_usr_sig`): the launch extra pins submitit.
@@ -86,11 +90,20 @@ def _write_json_atomic(path: Path, obj: object) -> None:
     os.replace(tmp, path)
 
 
+def restarted() -> bool:
+    """True in a Slurm job's second and later attempts (requeued by anyone, for any reason)."""
+    raw = os.environ.get("SLURM_RESTART_COUNT", "")
+    try:
+        return int(raw) > 0
+    except ValueError:
+        return False  # unset (first attempt, or the local executor) or not a number
+
+
 class _LatchedStop:
     """Level-triggered stop request. The signal handler calls the hook once; after that a
     daemon thread calls it again every `every_s` until the target returns, because a target may
-    reset its flag while starting up (the trainer's `main` calls `clear_stop()` after building its
-    config), and a preemption signal that arrives during a long start-up must not be lost."""
+    reset its flag while starting up, and a preemption signal that arrives during a long start-up
+    must not be lost."""
 
     def __init__(self, hook: Callable[[], object], every_s: float = 0.5):
         self._hook, self._every_s = hook, every_s
@@ -147,7 +160,8 @@ class DistributedJob(Checkpointable):
         denv = TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
         print(f"[workbench.launch] rank {denv.rank}/{denv.world_size} local_rank {denv.local_rank} "
-              f"on {node} master {denv.master_addr}:{denv.master_port} resume={self.resume}",
+              f"on {node} master {denv.master_addr}:{denv.master_port} resume={self.resume} "
+              f"restart={os.environ.get('SLURM_RESTART_COUNT', '0')}",
               flush=True)
         own_pg = False
         if denv.world_size > 1 and not dist.is_initialized():
@@ -159,7 +173,7 @@ class DistributedJob(Checkpointable):
             own_pg = True
 
         argv = list(self.argv)
-        if self.resume and "--resume" not in argv:
+        if (self.resume or restarted()) and "--resume" not in argv:
             argv.append("--resume")
         try:
             result = resolve(self.target)(argv)
