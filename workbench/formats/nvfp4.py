@@ -131,17 +131,24 @@ def _tile_amax(x_RBS: Tensor, amax: Callable[..., Tensor], tile_rows: int) -> Te
     return tile_TB.repeat_interleave(tile_rows, dim=-2)
 
 
+def _nan_codes(v: Tensor, prof: NVFP4Profile) -> Tensor:
+    if prof.nan_code is not None:
+        return prof.nan_code(v)
+    # undefined in the library (compressed-tensors); a signed zero, as x86 gives
+    return torch.signbit(v).to(torch.uint8) * E2M1_SIGN_BIT
+
+
 def _round(v: Tensor, prof: NVFP4Profile) -> Tensor:
     codes = e2m1_encode(v, ties="even")  # every library rounds to nearest even and saturates
     if prof.zero_sign == "negative":
         codes = torch.where(v < 0, codes | E2M1_SIGN_BIT, codes & 0x7)
     nan = torch.isnan(v)
-    if nan.any():  # rare: keep the common path free of per-element NaN work
-        v_nan = v[nan]
-        if prof.nan_code is not None:
-            codes[nan] = prof.nan_code(v_nan)
-        else:  # undefined in the library (compressed-tensors); a signed zero, as x86 gives
-            codes[nan] = torch.signbit(v_nan).to(torch.uint8) * E2M1_SIGN_BIT
+    if torch.compiler.is_compiling():
+        # no data-dependent branch or mask-shaped tensor under torch.compile(fullgraph=True):
+        # NaN codes are computed everywhere and selected, the same bytes
+        return torch.where(nan, _nan_codes(v, prof), codes)
+    if nan.any():  # rare: keep the common eager path free of per-element NaN work
+        codes[nan] = _nan_codes(v[nan], prof)
     return codes
 
 
