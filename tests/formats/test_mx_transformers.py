@@ -12,7 +12,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mx_cases import SPECIALS, first_difference, same_values, special_tensor, triton_kernels_reference
+from mx_cases import (
+    SPECIALS,
+    first_difference,
+    same_values,
+    special_tensor,
+    triton_kernels_reference,
+)
 
 from workbench.formats import QuantizedTensor, dequantize, quantize
 from workbench.formats.constants import FORMATS
