@@ -16,6 +16,13 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+# Without a GPU the Triton kernels run in Triton's interpreter. @triton.jit reads this variable
+# when a kernel module is imported, so it must be set before any test imports workbench.kernels
+# (under xdist any test module may be first), hence here and not in tests/kernels/conftest.py.
+if not _cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_collection_modifyitems(config, items):
     has_cuda = _cuda()
     # TE needs CUDA libraries at import; probing the spec does not import it.

@@ -33,11 +33,12 @@ def stored_grid(ck, rec: ExpertRecord) -> QuantizedTensor | None:
     scale = ck.index.read(spec.part("scale"), (*lead, rows))
     if scale.dtype == torch.float8_e8m0fnu:
         scale = scale.view(torch.uint8)
-    gs = None
+    gs = lib = None
     fmt = FMT_OF_CODEC[spec.codec]
     if fmt == "nvfp4":
         from workbench.formats.nvfp4 import from_library_global
 
         lib = ck.index.read(spec.part("global_scale")).float().reshape(())
         gs = from_library_global(lib, spec.profile)
-    return QuantizedTensor(fmt, spec.profile, data, scale, gs, (n, rec.shape[1]))
+    # the library's own stored global too, so dequantize(grid) is bit-exact with its decoder
+    return QuantizedTensor(fmt, spec.profile, data, scale, gs, (n, rec.shape[1]), lib)
