@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-from conftest import TINY, metrics, run
+from conftest import REPO, TINY, env, metrics, run
 
 from workbench.train.checkpointing import list_complete
 from workbench.train.cli import main
 
 KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "aux_loss",
-        "peak_mem_gib"}
+        "peak_mem_gib", "fake_quant_share"}
 
 
 def expected_lr(step: int, peak: float, warmup: int, steps: int, floor: float) -> float:
@@ -54,6 +57,8 @@ def test_world1_qat_recipes_change_the_loss_a_little(reference_runs):
         for a, b in zip(bf16, q):
             assert a["loss"] != b["loss"]  # the fake quantization is really on
             assert abs(a["loss"] - b["loss"]) < 0.05
+            assert a["fake_quant_share"] == 0.0  # nothing is fake-quantized in the baseline
+            assert 0.0 < b["fake_quant_share"] < 1.0
 
 
 @pytest.mark.distributed
@@ -148,3 +153,18 @@ def test_fresh_start_keeps_the_stored_wandb_run_id(tmp_path):
         main([*TINY, "--steps", "2", "--out", str(out), "--val-every", "0", "--seed", "5"])
     assert (out / "wandb_run_id").read_text() == stored
     assert (out / "config.json").read_text() == config
+
+
+@pytest.mark.distributed
+def test_peak_mem_is_the_max_over_ranks(tmp_path):
+    """Rank 1 holds a 768 MiB ballast: the peak both ranks log is rank 1's, above rank 0's own."""
+    worker = Path(__file__).with_name("peak_mem_worker.py")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node=2", str(worker), str(tmp_path / "run"),
+                        str(tmp_path / "report")], env=env(), cwd=REPO, capture_output=True,
+                       text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr[-5000:]
+    r0, r1 = (json.loads((tmp_path / f"report.{r}.json").read_text()) for r in (0, 1))
+    assert r0["logged"] == r1["logged"]
+    assert r1["own_before"] <= r0["logged"] <= max(r0["own_after"], r1["own_after"])
+    assert r0["logged"] > r0["own_after"] + 0.5  # rank 0 alone would log its own, smaller peak

@@ -76,3 +76,9 @@ def all_reduce_sum(x: torch.Tensor, info: DistInfo) -> torch.Tensor:
     if info.group is not None:
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=info.group)
     return x
+
+
+def all_reduce_max(x: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    if info.group is not None:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=info.group)
+    return x

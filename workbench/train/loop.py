@@ -8,9 +8,10 @@ gradients into those of the mean of the ranks' losses, i.e. of the EP1 loss on t
 
 Metrics: `loss` is the language-model cross-entropy, averaged over the global batch; the objective
 that is optimised adds `aux_loss_coef * aux_loss` (the load-balancing loss, logged as `aux_loss`).
-`peak_mem_gib` is the CUDA allocator peak on GPU and the process's peak RSS on CPU. The share of
-step time spent in fake quantization is not logged: the fake-quant ops run inside the grouped
-GEMM seam and cannot be timed apart without synchronising every call.
+`peak_mem_gib` is the CUDA allocator peak on GPU and the process's peak RSS on CPU, the max over
+ranks. `fake_quant_share` is the fraction of the step's time spent in the forward fake
+quantization (`workbench.train.fqtime`: wall time on CPU, CUDA events on GPU, no added
+synchronisation), averaged over ranks; 0 for bf16, absent if the hook is unavailable.
 
 Preemption seam: `request_stop()` only sets a flag (safe inside a signal handler). At every step
 boundary the ranks all-reduce it; if any rank asked, all ranks write a DCP checkpoint and
@@ -34,7 +35,8 @@ from workbench.train import checkpointing as ckpt
 from workbench.train.build import build
 from workbench.train.config import TrainConfig
 from workbench.train.data import global_batch, load_corpus, rank_slice
-from workbench.train.distributed import DistInfo, all_reduce_sum, barrier
+from workbench.train.distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier
+from workbench.train.fqtime import FakeQuantTimer
 from workbench.train.metrics import MetricsWriter, truncate_metrics
 
 _stop_requested = False
@@ -57,8 +59,12 @@ def _any_rank_stopping(info: DistInfo) -> bool:
 
 
 def _mean_over_ranks(x: float, info: DistInfo) -> float:
-    t = torch.tensor([x], dtype=torch.float64, device=info.device)
-    return float(all_reduce_sum(t, info).item()) / info.world
+    return _means_over_ranks([x], info)[0]
+
+
+def _means_over_ranks(xs: list[float], info: DistInfo) -> list[float]:
+    t = torch.tensor(xs, dtype=torch.float64, device=info.device)
+    return [v / info.world for v in all_reduce_sum(t, info).tolist()]
 
 
 def global_grad_norm(model: torch.nn.Module, info: DistInfo) -> torch.Tensor:
@@ -92,11 +98,18 @@ def _autocast(info: DistInfo):
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=info.device.type == "cuda")
 
 
-def _peak_mem_gib(info: DistInfo) -> float:
+def _own_peak_mem_gib(info: DistInfo) -> float:
     if info.device.type == "cuda":
         return torch.cuda.max_memory_allocated(info.device) / 2**30
     # CPU: the process's peak resident set (Linux reports KiB).
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _peak_mem_gib(info: DistInfo) -> float:
+    # The max over ranks: rank 0 logs, and the per-rank budget is set by the fullest rank
+    # (expert routing is uneven), not by rank 0. One scalar all-reduce per step.
+    t = torch.tensor([_own_peak_mem_gib(info)], dtype=torch.float64, device=info.device)
+    return float(all_reduce_max(t, info).item())
 
 
 @torch.no_grad()
@@ -115,10 +128,14 @@ def validate(model, val_tokens: torch.Tensor, cfg: TrainConfig, info: DistInfo) 
 
 
 def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, info: DistInfo,
-               step: int) -> dict[str, Any]:
-    """One optimizer step on the global batch of `step` (this rank's slice); returns its metrics."""
+               step: int, fq_timer: FakeQuantTimer | None = None) -> dict[str, Any]:
+    """One optimizer step on the global batch of `step` (this rank's slice); returns its metrics.
+    With an entered `fq_timer`, the record has `fake_quant_share` too."""
     from workbench.model import sync_gradients
 
+    timing = fq_timer is not None and fq_timer.available
+    if timing:
+        fq_timer.take()  # drop what validation or anything else ran since the last step
     t0 = time.perf_counter()
     tok_BS = rank_slice(global_batch(train_tokens, seed=cfg.seed, index=step, batch=cfg.batch,
                                      seq=cfg.seq), info.rank, info.world).to(info.device)
@@ -133,14 +150,20 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
     opt.step()
     sched.step()
     opt.zero_grad(set_to_none=True)
-    loss = _mean_over_ranks(float(res.ce_loss.detach()), info)
+    ce = float(res.ce_loss.detach())  # the step's host synchronisation
+    share = fq_timer.take()[0] / (time.perf_counter() - t0) if timing else 0.0
+    # One all-reduce for both means; the loss's sum is the same as alone (elementwise).
+    loss, share = _means_over_ranks([ce, share], info)
     dt = time.perf_counter() - t0
-    return {
+    rec = {
         "step": step, "loss": loss, "grad_norm": float(norm), "lr": lr,
         "tokens_per_s": cfg.batch * cfg.seq / dt, "step_time_s": dt,
         "aux_loss": float(res.aux_loss.detach()) if res.aux_loss is not None else None,
         "peak_mem_gib": _peak_mem_gib(info),
     }
+    if timing:
+        rec["fake_quant_share"] = share
+    return rec
 
 
 def check_fresh_start(cfg: TrainConfig) -> None:
@@ -199,13 +222,14 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
     last: dict[str, Any] = {}
     step = start
     model.train()
+    fq_timer = FakeQuantTimer().__enter__()
     try:
         while step < cfg.steps:
             if _any_rank_stopping(info):
                 stopped = True
                 break
             step += 1
-            rec = train_step(model, opt, sched, corpus.train, cfg, info, step)
+            rec = train_step(model, opt, sched, corpus.train, cfg, info, step, fq_timer)
             loss = rec["loss"]
             if cfg.val_every and (step % cfg.val_every == 0 or step == cfg.steps):
                 rec["val_loss"] = validate(model, corpus.val, cfg, info)
@@ -226,6 +250,7 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
         if last_saved != step:  # final or preemption checkpoint
             ckpt.save(out, model, opt, sched, step, info, keep=cfg.keep, meta=meta)
     finally:
+        fq_timer.__exit__(None, None, None)
         bar.close()
         if writer is not None:
             writer.close()
