@@ -113,6 +113,8 @@ def plot_expert_errors(df: pd.DataFrame, metric: str = "rel_err", *,
     box per run, one panel per recipe: do QAT-trained experts quantize better than the same
     experts trained in BF16? Input: `workbench.track.experts.final_expert_errors`."""
     Figure = _figure_class()
+    if df.empty:  # no run of the group exported final weights: say so in the picture
+        df = pd.DataFrame(columns=["run", "recipe", metric])
     for col in ("run", "recipe", metric):
         if col not in df.columns:
             raise KeyError(f"plot_expert_errors: column {col!r} missing "
