@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
                           "out_dir": str(out / "inspect"), "demo_steps": args.steps})]
     if not args.skip_launch:
         runs = out / "runs"
+        # each demo run launches fresh runs: the trainer refuses to start over a folder that
+        # already holds checkpoints (it would silently mix two runs otherwise)
+        shutil.rmtree(runs, ignore_errors=True)
         done.append(run_notebook("02_launch_qat.ipynb", out,
                                  {"out": str(runs), "steps": args.launch_steps}))
         done.append(run_notebook("03_budgets.ipynb", out, {"group_dir": str(runs)}))
