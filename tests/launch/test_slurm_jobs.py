@@ -33,10 +33,12 @@ def test_gloo_all_reduce_over_tasks(slurm_cluster, targets_path, tmp_path, nodes
     assert all(r["world_size"] == world and r["backend"] == "gloo" for r in ranks)
     assert all(r["all_reduce_sum"] == world * (world + 1) / 2 for r in ranks)
     # Slurm placed tpn tasks on each of `nodes` nodes, local ranks 0..tpn-1 on each.
-    assert Counter(r["slurmd"] for r in ranks) == Counter({f"n{i + 1}": tpn for i in range(nodes)})
+    # (which nodes is Slurm's choice: a busy n1 sends a one-node job to n2)
+    placed = Counter(r["slurmd"] for r in ranks)
+    assert set(placed) <= {"n1", "n2"} and sorted(placed.values()) == [tpn] * nodes
     for node in {r["slurmd"] for r in ranks}:
         assert sorted(r["local_rank"] for r in ranks if r["slurmd"] == node) == list(range(tpn))
-    assert {r["master_addr"] for r in ranks} == {"n1"}
+    assert {r["master_addr"] for r in ranks} == {min(placed)}  # the job's first node
     assert len({r["pid"] for r in ranks}) == world
     assert f"rank {world - 1}/{world}" in job.log_tail(50, rank=world - 1)
 
