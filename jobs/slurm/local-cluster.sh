@@ -190,6 +190,9 @@ SchedulerParameters=bf_interval=2
 ReturnToService=2
 FirstJobId=$first_job_id
 KillWait=10
+# On a loaded 2-core box a cancelled training step can take over a minute to die; the default
+# 60 s would drain the node ("Kill task failed") and fail every later job on it.
+UnkillableStepTimeout=600
 MinJobAge=300
 SlurmctldTimeout=30
 SlurmdTimeout=60

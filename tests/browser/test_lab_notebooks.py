@@ -190,7 +190,7 @@ def test_launch_notebook_live_progress_then_budgets(tmp_path, browser_ready, art
     steps = 6
     n02, n03 = "02_launch_qat.ipynb", "03_budgets.ipynb"
     copy_notebook(NOTEBOOKS / n02, root / n02, {
-        "executor": "local", "ep": 4, "steps": steps, "recipes": ["bf16", "mxfp4+mxfp8"],
+        "executor": "local", "ep": 4, "nodes": 1, "steps": steps, "recipes": ["bf16", "mxfp4+mxfp8"],
         "out": "runs/launch", "wandb": "disabled", "timeout_s": 600})
     copy_notebook(NOTEBOOKS / n03, root / n03, {
         "group_dir": "runs/launch", "group": None, "baseline": None, "val_loss_pct": 2.0,
