@@ -173,7 +173,8 @@ def _hf_config(model: nn.Module) -> dict:
     return cfg
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder's fsync makes the renames inside it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -219,7 +220,7 @@ def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
     if group is not None:
         dist.barrier(group=group)
     save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
-    _fsync_file(tmp / shard)
+    fsync_path(tmp / shard)
     entry = (shard, sorted(tensors), sum(t.numel() * t.element_size() for t in tensors.values()))
     entries = [entry]
     if group is not None:

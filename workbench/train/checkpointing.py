@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from workbench.checkpoint.export import fsync_path
 from workbench.train.distributed import DistInfo, barrier
 
 COMPLETE = "COMPLETE"
@@ -134,14 +135,6 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer, sched, step: int,
     return sd
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save(out: str | Path, model: nn.Module, opt, sched, step: int, info: DistInfo, *,
          keep: int, meta: dict) -> Path:
     """Collective: every rank calls it. Returns the final folder."""
@@ -165,11 +158,11 @@ def save(out: str | Path, model: nn.Module, opt, sched, step: int, info: DistInf
             json.dump({"step": step, "world_size": info.world, **meta}, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         if final.exists():  # a re-run of the same step after a resume: replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_path(root)
         _prune(root, keep)
     barrier(info)
     return final
