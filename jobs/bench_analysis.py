@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     size = sum(f.stat().st_size for f in files)
 
     method = bc.evict(files)
-    n, read_s = bc.sequential_read(files, "read cold")
+    _, read_s = bc.sequential_read(files, "read cold")
     rows = [("sequential read (I/O ceiling)", read_s, None, None, None)]
     bc.evict(files)
     wb = _in_child(_workbench_pass, str(path))

@@ -67,7 +67,7 @@ def main(argv=None) -> None:
             prepare(m, recipe, _scope())
         xi = x.clone().requires_grad_()
 
-        def step():
+        def step(m=m, xi=xi):
             m.experts(xi, offs).sum().backward()
 
         t = _time(step, args.iters, sync)

@@ -7,13 +7,12 @@ import copy
 
 import pytest
 import torch
+from qat_styles_zoo import D, E, build
 from torch import nn
 
 from workbench.formats import fake_quantize, parse_recipe, quantize
 from workbench.qat import convert, prepare, unprepare
 from workbench.scope import QuantScope
-
-from qat_styles_zoo import D, E, F, build
 
 STYLES = ["stacked", "hf-linear", "hf-fused", "gpt-oss", "te"]
 

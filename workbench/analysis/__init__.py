@@ -1,19 +1,25 @@
 """Numbers, not pictures: per-expert quantization error tables from a checkpoint."""
 
 from .metrics import METRICS, block_scales, error_metrics, grid_mismatch, scale_exponents
-from .tables import (ErrorTables, ExpertDetail, candidate_errors, expert_detail, reference_errors,
-                     stored_vs_recipes)
+from .tables import (
+                     ErrorTables,
+                     ExpertDetail,
+                     candidate_errors,
+                     expert_detail,
+                     reference_errors,
+                     stored_vs_recipes,
+)
 
 __all__ = [
-    "METRICS",
-    "ErrorTables",
-    "ExpertDetail",
-    "expert_detail",
-    "block_scales",
-    "candidate_errors",
-    "error_metrics",
-    "grid_mismatch",
-    "reference_errors",
-    "scale_exponents",
-    "stored_vs_recipes",
+                     "METRICS",
+                     "ErrorTables",
+                     "ExpertDetail",
+                     "block_scales",
+                     "candidate_errors",
+                     "error_metrics",
+                     "expert_detail",
+                     "grid_mismatch",
+                     "reference_errors",
+                     "scale_exponents",
+                     "stored_vs_recipes",
 ]

@@ -38,8 +38,8 @@ def _pd():
 
 @dataclass
 class ErrorTables:
-    experts: "object"  # pandas.DataFrame
-    scales: "object"  # pandas.DataFrame: layer, expert, proj, kind, recipe, exponent, count
+    experts: object  # pandas.DataFrame
+    scales: object  # pandas.DataFrame: layer, expert, proj, kind, recipe, exponent, count
 
     def save(self, folder: str | os.PathLike) -> Path:
         """Write ``experts.csv`` and ``scales.csv`` (and parquet copies when pyarrow is present)."""
@@ -52,7 +52,7 @@ class ErrorTables:
         return out
 
     @classmethod
-    def load(cls, folder: str | os.PathLike) -> "ErrorTables":
+    def load(cls, folder: str | os.PathLike) -> ErrorTables:
         pd = _pd()
         folder = Path(folder)
         return cls(pd.read_csv(folder / "experts.csv"), pd.read_csv(folder / "scales.csv"))

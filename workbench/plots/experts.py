@@ -37,7 +37,7 @@ def _label(metric: str) -> str:
     return METRIC_LABELS.get(metric, metric)
 
 
-def _select(df: "pd.DataFrame", recipe: str | None, kind: str | None = "routed") -> "pd.DataFrame":
+def _select(df: pd.DataFrame, recipe: str | None, kind: str | None = "routed") -> pd.DataFrame:
     if kind is not None:
         df = df[df.kind == kind]
     if recipe is None:
@@ -51,9 +51,9 @@ def _select(df: "pd.DataFrame", recipe: str | None, kind: str | None = "routed")
     return out
 
 
-def heatmap(df: "pd.DataFrame", metric: str = "rel_err", *, recipe: str | None = None,
+def heatmap(df: pd.DataFrame, metric: str = "rel_err", *, recipe: str | None = None,
             projs: tuple[str, ...] | None = None, kind: str = "routed",
-            figsize: tuple[float, float] | None = None) -> "Figure":
+            figsize: tuple[float, float] | None = None) -> Figure:
     """Layer x expert heatmap of ``metric``, one panel per projection, shared color scale."""
     d = _select(df, recipe, kind)
     projs = projs or tuple(p for p in PROJ_ORDER if p in set(d.proj))
@@ -91,9 +91,9 @@ def _ticks(set_ticks, set_labels, values, max_ticks: int = 16):
     set_labels([str(values[i]) for i in pos])
 
 
-def expert_distribution(df: "pd.DataFrame", metric: str = "rel_err", *, recipe: str | None = None,
+def expert_distribution(df: pd.DataFrame, metric: str = "rel_err", *, recipe: str | None = None,
                         proj: str | None = None, kind: str = "routed",
-                        figsize: tuple[float, float] = (10.0, 4.0)) -> "Figure":
+                        figsize: tuple[float, float] = (10.0, 4.0)) -> Figure:
     """Per-expert distribution of ``metric`` across layers (box per expert)."""
     d = _select(df, recipe, kind)
     if proj is not None:
@@ -112,8 +112,8 @@ def expert_distribution(df: "pd.DataFrame", metric: str = "rel_err", *, recipe: 
     return fig
 
 
-def recipe_comparison(df: "pd.DataFrame", metric: str = "sqnr_db", *, kind: str = "routed",
-                      figsize: tuple[float, float] = (8.0, 4.0)) -> "Figure":
+def recipe_comparison(df: pd.DataFrame, metric: str = "sqnr_db", *, kind: str = "routed",
+                      figsize: tuple[float, float] = (8.0, 4.0)) -> Figure:
     """Distribution of ``metric`` over all expert weights, one box per recipe and projection."""
     d = df[df.kind == kind]
     recipes = sorted(d.recipe.unique())
@@ -143,9 +143,9 @@ def recipe_comparison(df: "pd.DataFrame", metric: str = "sqnr_db", *, kind: str 
     return fig
 
 
-def scale_histogram(scales: "pd.DataFrame", *, recipe: str | None = None,
+def scale_histogram(scales: pd.DataFrame, *, recipe: str | None = None,
                     layer: int | None = None, expert: int | None = None, proj: str | None = None,
-                    kind: str = "routed", figsize: tuple[float, float] = (7.0, 3.5)) -> "Figure":
+                    kind: str = "routed", figsize: tuple[float, float] = (7.0, 3.5)) -> Figure:
     """Histogram of block-scale exponents (log2 of each block's scale)."""
     d = scales[scales.kind == kind] if kind else scales
     for col, v in (("recipe", recipe), ("layer", layer), ("expert", expert), ("proj", proj)):
@@ -169,9 +169,9 @@ def scale_histogram(scales: "pd.DataFrame", *, recipe: str | None = None,
     return fig
 
 
-def worst_experts(df: "pd.DataFrame", metric: str = "rel_err", *, n: int = 10,
+def worst_experts(df: pd.DataFrame, metric: str = "rel_err", *, n: int = 10,
                   recipe: str | None = None, kind: str = "routed", largest: bool | None = None,
-                  figsize: tuple[float, float] = (8.0, 4.0)) -> "Figure":
+                  figsize: tuple[float, float] = (8.0, 4.0)) -> Figure:
     """The ``n`` worst expert weights by ``metric`` (largest error, or lowest SQNR/cosine)."""
     d = _select(df, recipe, kind)
     if largest is None:
@@ -190,7 +190,7 @@ def worst_experts(df: "pd.DataFrame", metric: str = "rel_err", *, n: int = 10,
     return fig
 
 
-def expert_detail(detail, *, bins: int = 80, figsize: tuple[float, float] = (10.0, 3.6)) -> "Figure":
+def expert_detail(detail, *, bins: int = 80, figsize: tuple[float, float] = (10.0, 3.6)) -> Figure:
     """One expert weight: histogram of element errors and of its block-scale exponents.
 
     ``detail`` is a ``workbench.analysis.ExpertDetail``.

@@ -40,8 +40,8 @@ class PrepareReport:
     notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
-        lines = [f"QAT prepare {self.recipe}: {len(self.converted)} weights fake-quantized, "
-                 f"{len(self.skipped)} kept in BF16"]
+        lines = [(f"QAT prepare {self.recipe}: {len(self.converted)} weights fake-quantized, "
+                  f"{len(self.skipped)} kept in BF16")]
         by_style: dict[str, int] = {}
         for s in self.converted:
             by_style[s.style] = by_style.get(s.style, 0) + 1
