@@ -81,6 +81,16 @@ def e2m1_decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
 _PAIR_LUTS: dict[tuple[torch.dtype, torch.device, bool], torch.Tensor] = {}
 
 
+def _pair_lut(dtype: torch.dtype, neg_zero: bool) -> torch.Tensor:
+    vals = torch.tensor(list(E2M1_MAGNITUDES) + [-m for m in E2M1_MAGNITUDES])
+    if not neg_zero:
+        vals[E2M1_SIGN_BIT] = 0.0
+    b = torch.arange(256)
+    pairs = torch.stack([vals[b & 0xF], vals[b >> 4]], dim=-1).to(dtype)
+    wide = {2: torch.int32, 4: torch.int64}[pairs.element_size()]
+    return pairs.view(wide).reshape(256)
+
+
 def e2m1_decode_packed(packed: torch.Tensor, dtype: torch.dtype = torch.float32, *,
                        neg_zero: bool = True) -> torch.Tensor:
     """Packed FP4 bytes [..., K/2] -> values [..., K] in one gather.
@@ -94,13 +104,11 @@ def e2m1_decode_packed(packed: torch.Tensor, dtype: torch.dtype = torch.float32,
     key = (dtype, packed.device, neg_zero)
     lut = _PAIR_LUTS.get(key)
     if lut is None:
-        vals = torch.tensor(list(E2M1_MAGNITUDES) + [-m for m in E2M1_MAGNITUDES])
-        if not neg_zero:
-            vals[E2M1_SIGN_BIT] = 0.0
-        b = torch.arange(256)
-        pairs = torch.stack([vals[b & 0xF], vals[b >> 4]], dim=-1).to(dtype)
-        wide = {2: torch.int32, 4: torch.int64}[pairs.element_size()]
-        lut = _PAIR_LUTS[key] = pairs.view(wide).reshape(256).to(packed.device)
+        lut = _pair_lut(dtype, neg_zero).to(packed.device)
+        # a tensor stored from inside a traced region is a side effect torch.compile rejects:
+        # cache only in eager mode (compiled graphs hold the table as a constant anyway)
+        if not torch.compiler.is_compiling():
+            _PAIR_LUTS[key] = lut
     out = torch.index_select(lut, 0, packed.reshape(-1).long()).view(dtype)
     return out.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
