@@ -7,7 +7,11 @@ Rows per (shape, format): device copy (read + write the tensor once: the memory-
 a one-pass fake quant), torchao 0.18 QDQ eager and under torch.compile, the workbench reference
 codec under torch.compile, and the Triton kernel (workbench.kernels). Columns: median ms
 (triton.testing.do_bench), GB/s counting one bf16 read and one bf16 write, fraction of the copy
-rate, speedup over torchao compiled. NVFP4 rows include the global-amax pass (one more read).
+rate, speedup over torchao compiled. NVFP4 rows include the global-amax pass (one more read),
+except "amax given"; the "per-expert" rows take one global per leading index (the QAT weight
+path): the amax pass then the quantize pass over the whole tensor, against
+``kernels.fake_quantize_experts``, which runs both over groups of experts that fit in a share of
+the L2 cache (the quantize pass then re-reads its input from L2).
 """
 
 from __future__ import annotations
@@ -70,6 +74,13 @@ def main(argv=None) -> None:
     ap.add_argument("--all-rows", action="store_true",
                     help="torchao eager and the compiled rows on every shape (default: the first "
                          "shape only; each compile costs tens of seconds)")
+    ap.add_argument("--l2-fractions", default="0.25,0.5,0.75",
+                    help="NVFP4 per-expert rows: expert groups of at most this share of L2")
+    ap.add_argument("--sweep", action="store_true",
+                    help="first shape: NVFP4 (amax given) tiles x warps, to tune the launch")
+    ap.add_argument("--ncu-target", action="store_true",
+                    help="run each Triton fake quant of the first shape 3 times, untimed (for "
+                         "ncu --kernel-name ... to profile)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_qdq needs a CUDA GPU (the kernels' CPU mode is the interpreter)")
@@ -80,17 +91,22 @@ def main(argv=None) -> None:
         ao_ver = torchao.__version__
     except ImportError:
         ao_ver = "missing"
+    if args.ncu_target:
+        return _ncu_target(args.shapes.split(",")[0], args.formats.split(","))
     print(f"device={torch.cuda.get_device_name()} torch={torch.__version__} "
           f"triton={triton.__version__} torchao={ao_ver}")
     print(f"{'shape':<16}{'format':<12}{'impl':<22}{'ms':>9}{'GB/s':>9}{'of copy':>9}"
           f"{'vs ao.c':>9}")
     for si, text in enumerate(args.shapes.split(",")):
         _shape_rows(text, args.formats.split(","), full=si == 0 or args.all_rows,
-                    compile_rows=not args.no_compile)
+                    compile_rows=not args.no_compile,
+                    l2_fractions=tuple(float(f) for f in args.l2_fractions.split(",")),
+                    sweep=args.sweep and si == 0)
         torch.cuda.empty_cache()
 
 
-def _shape_rows(text: str, formats: list[str], *, full: bool, compile_rows: bool) -> None:
+def _shape_rows(text: str, formats: list[str], *, full: bool, compile_rows: bool,
+                l2_fractions: tuple[float, ...], sweep: bool) -> None:
     """Every row of one shape; ``full`` adds torchao eager and the compiled rows."""
     from workbench import formats as F
     from workbench import kernels as K
@@ -129,6 +145,48 @@ def _shape_rows(text: str, formats: list[str], *, full: bool, compile_rows: bool
             amax = x.abs().amax().float()
             fq = functools.partial(K.fake_quantize, fmt="nvfp4", global_amax=amax)
             row(fmt, "triton, amax given", _bench(fq, x), ao_c_ms)
+            # the QAT weight path: one global per expert (leading index)
+            def two_pass(t):
+                a = K.global_amax(t, per_leading=True, ignore_nan=False)
+                return K.fake_quantize(t, "nvfp4", global_amax=a)
+            row(fmt, "per-expert, 2 passes", _bench(two_pass, x), ao_c_ms)
+            if sweep:
+                _sweep_rows(x, amax, row, ao_c_ms)
+            for frac in l2_fractions:
+                fqe = functools.partial(K.fake_quantize_experts, fmt="nvfp4", l2_fraction=frac)
+                row(fmt, f"per-expert, L2 x{frac:g}", _bench(fqe, x), ao_c_ms)
+
+
+def _sweep_rows(x, amax, row, ao_c_ms) -> None:
+    """The one-pass NVFP4 kernel (amax given) over tile sizes and warps per program."""
+    from workbench import kernels as K
+    from workbench.formats import parse_recipe
+
+    recipe = parse_recipe("nvfp4")
+    n = x.numel() // 16
+    for nb in (128, 256, 512, 1024):
+        for warps in (4, 8):
+            def fq(t, nb=nb, warps=warps):
+                out = torch.empty_like(t)
+                # the library's private launcher: the same kernel with another tile
+                K.api._launch_nvfp4(t, out, t, amax.reshape(1), recipe, True, 0, n, nb=nb,
+                                    num_warps=warps)
+                return out
+            row("nvfp4", f"amax given NB{nb} w{warps}", _bench(fq, x), ao_c_ms)
+
+
+def _ncu_target(text: str, formats: list[str]) -> None:
+    """Each kernel launch of the timed rows, a few times, for a profiler to pick up."""
+    from workbench import kernels as K
+
+    x = torch.randn(tuple(int(s) for s in text.split("x")), device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        for fmt in formats:
+            K.fake_quantize(x, fmt)
+            if fmt == "nvfp4":
+                K.fake_quantize(x, fmt, global_amax=x.abs().amax().float())
+                K.fake_quantize_experts(x, fmt)
+    torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

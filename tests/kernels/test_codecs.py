@@ -69,6 +69,52 @@ def test_nvfp4_per_expert_global(profile, device):
     _compare(x, "nvfp4", profile, device, global_amax=amax)
 
 
+def _expert_stack(seed: int) -> torch.Tensor:
+    """[4, 16, 256] experts: a NaN and an inf in expert 1, an all-zero block in expert 2, a
+    tiny expert 3 (its scaled values near the bottom of the e4m3 scale range)."""
+    x = gaussian((4, 16, 256), seed=seed)
+    x[1, 3, 17], x[1, 9, 200] = float("nan"), float("inf")
+    x[2, 5, 32:48] = 0.0
+    x[3] *= 2.0**-110
+    return x
+
+
+@pytest.mark.parametrize("profile", ["torchao", "te"])
+def test_nvfp4_short_and_exact_tiles(profile, device, monkeypatch):
+    # 16-block tiles under the interpreter (256 on a GPU): tiles holding specials take the
+    # exact path and the others the short path in one launch; both must equal the reference
+    monkeypatch.setattr(K.api, "_INTERPRET_MAX_NB", 16)
+    x = _expert_stack(seed=7)
+    # a finite global amax (as a calibrated one would be), so the specials stay in their blocks
+    amax = torch.nan_to_num(x, nan=0.0, posinf=0.0).abs().amax(dim=(-2, -1), keepdim=True)
+    _compare(x, "nvfp4", profile, device, global_amax=amax.float())
+    finite = torch.nan_to_num(x, nan=0.5, posinf=2.0)
+    _compare(finite, "nvfp4", profile, device,
+             global_amax=finite.abs().amax(dim=(-2, -1), keepdim=True).float())
+    # experts of 30 blocks: program tiles straddle experts (per-block global scalars)
+    odd = gaussian((3, 10, 48), seed=8)
+    _compare(odd, "nvfp4", profile, device,
+             global_amax=odd.abs().amax(dim=(-2, -1), keepdim=True).float())
+
+
+@pytest.mark.parametrize("l2_fraction", [1e-9, 0.5], ids=["one-expert-groups", "default"])
+@pytest.mark.parametrize("profile", ["torchao", "te"])
+def test_fake_quantize_experts_equals_amax_then_quantize(profile, l2_fraction, device,
+                                                         monkeypatch):
+    monkeypatch.setattr(K.api, "_INTERPRET_MAX_NB", 16)
+    for x in (_expert_stack(seed=9), gaussian((3, 10, 48), seed=10)):
+        amax = x.abs().amax(dim=(-2, -1), keepdim=True).float()
+        want = F.fake_quantize(x, "nvfp4", profile, global_amax=amax)
+        got = K.fake_quantize_experts(x.to(device), "nvfp4", profile, l2_fraction=l2_fraction)
+        assert_same_bits(got.cpu(), want, f"nvfp4:{profile} {tuple(x.shape)}")
+    # no global scale in MX: the same as fake_quantize
+    y = gaussian((2, 8, 64), seed=11)
+    assert_same_bits(K.fake_quantize_experts(y.to(device), "mxfp4").cpu(),
+                     F.fake_quantize(y, "mxfp4"), "mxfp4")
+    with pytest.raises(ValueError, match="stack"):
+        K.fake_quantize_experts(y[0, 0].to(device), "nvfp4")
+
+
 def test_global_amax_matches_torch(device):
     x = specials(6, 256, with_nan=False).reshape(3, 2, 256)
     x[1, 0, 3] = float("nan")

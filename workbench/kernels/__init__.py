@@ -7,10 +7,12 @@ from .api import (
            TritonUnavailable,
            available,
            fake_quantize,
+           fake_quantize_experts,
            global_amax,
            quantize,
            supports,
 )
 
-__all__ = ["SUPPORTED", "TritonUnavailable", "available", "fake_quantize", "global_amax",
+__all__ = ["SUPPORTED", "TritonUnavailable", "available", "fake_quantize",
+           "fake_quantize_experts", "global_amax",
            "quantize", "supports"]

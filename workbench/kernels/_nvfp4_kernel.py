@@ -1,8 +1,12 @@
 """Triton NVFP4 kernels: a per-expert amax pass, then one quantize / fake-quantize pass.
 
 Mirrors ``workbench.formats.nvfp4_profiles`` rows ``torchao`` and ``te`` operation by operation
-(true divisions as ``div_rn``; the global-scale scalars are recomputed per block from the fp32
+(true divisions as ``div_rn``; the global-scale scalars are computed on the device from the fp32
 amax with the same fp32 operations the reference runs on the CPU, so no host round trip).
+
+Fake quantization is ALU-bound at the copy rate (see NOTES.md), so the global scalars are
+computed once per program when its blocks share one expert, and a tile whose scaled values are
+all finite skips the NaN bookkeeping that only specials need (``quantize`` always does it).
 
 Shape legend: the input is viewed as ``x_BS`` [n_blocks, 16]; blocks ``[e * bpe, (e+1) * bpe)``
 belong to expert (leading index) e, whose global amax is ``amax_ptr[e]``.
@@ -35,90 +39,132 @@ RCP_2688 = tl.constexpr(0.00037202380388043821)  # fp32(1/2688)
 
 
 @triton.jit
-def amax_kernel(x_ptr, part_ptr, n_per_expert, n_parts, BLOCK: tl.constexpr,
+def amax_kernel(x_ptr, amax_bits_ptr, first_expert, n_per_expert, BLOCK: tl.constexpr,
                 IGNORE_NAN: tl.constexpr, BF16_BITS: tl.constexpr):
-    """Partial abs-max of ``BLOCK``-element chunks of each expert: part[e, p]."""
-    e = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1)
-    offs = p * BLOCK + tl.arange(0, BLOCK)
+    """Abs-max of each expert's ``BLOCK``-element chunks, folded into ``amax_bits[e]`` (int32
+    bits of the fp32 amax, zero-initialised) by an atomic integer max."""
+    e = first_expert + tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_per_expert
     x = load_f32(x_ptr, e * n_per_expert + offs, mask, BF16_BITS)
     # integer max of the magnitude bits: NaN (bits above inf) wins with its payload, as
-    # torch's x.abs().amax() on the CPU returns it; zeroed first when NaN is skipped (TE)
+    # torch's x.abs().amax() on the CPU returns it; zeroed first when NaN is skipped (TE).
+    # Non-negative floats order like their bits, so the atomic max is order-independent.
     m = bits_of(x) & 0x7FFFFFFF
     if IGNORE_NAN:
         m = tl.where(m > 0x7F800000, 0, m)
-    m = tl.max(m, axis=0).to(tl.float32, bitcast=True)
-    tl.store(part_ptr + e * n_parts + p, m)
+    tl.atomic_max(amax_bits_ptr + e, tl.max(m, axis=0), sem="relaxed")
 
 
 @triton.jit
-def nvfp4_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, n_blocks, blocks_per_expert,
+def nvfp4_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, first_block, end_block, blocks_per_expert,
                  NB: tl.constexpr, PROFILE: tl.constexpr, FAKE: tl.constexpr,
-                 BF16_BITS: tl.constexpr, HW: tl.constexpr):
+                 BF16_BITS: tl.constexpr, HW: tl.constexpr, UNIFORM: tl.constexpr,
+                 REVERSE: tl.constexpr):
+    """Blocks [first_block, end_block). UNIFORM: every program's blocks share one expert (so its
+    global scalars are computed once per program). REVERSE: programs take tiles from the end,
+    so a pass right after the amax pass starts on the lines that pass left in L2."""
     BLOCK: tl.constexpr = 16
-    pid = tl.program_id(0).to(tl.int64)
-    blk = pid * NB + tl.arange(0, NB)
-    bmask = blk < n_blocks
+    pid = tl.program_id(0)
+    if REVERSE:
+        pid = tl.num_programs(0) - 1 - pid
+    blk0 = first_block + pid.to(tl.int64) * NB
+    blk = blk0 + tl.arange(0, NB)
+    bmask = blk < end_block
     idx = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = bmask[:, None]
     x = load_f32(x_ptr, idx, mask, BF16_BITS)
-    amax = tl.load(amax_ptr + blk // blocks_per_expert, mask=bmask, other=1.0)
-    # block amax on magnitude bits: NaN bits sort above inf, so an integer max propagates NaN
-    # (torch.amax: torchao) and zeroing them first skips NaN (fmaxf from 0: TE)
-    m = bits_of(x) & 0x7FFFFFFF
-    if PROFILE == TORCHAO:
-        bamax = tl.max(m, axis=1).to(tl.float32, bitcast=True)
-        # GPU arithmetic returns the canonical NaN; each step keeps the CPU's NaN payload instead
-        # (quantize() codes of NaN-scaled blocks read it, see _common.x86_mul_nan_bits)
-        pts = _keep_nan(tl.math.div_rn(amax, 2688.0), amax)  # per_tensor_amax_to_scale
-        s = _keep_nan(tl.math.div_rn(bamax, 6.0), bamax)
-        s = x86_div_nan_bits(bits_of(tl.math.div_rn(s, pts)), s, pts).to(tl.float32, bitcast=True)
-        s = tl.where(s < E4M3_TINY, E4M3_TINY, tl.where(s > 448.0, 448.0, s))  # NaN stays
-        sf = fp8_round(s, 3, 0.015625, 512.0, 0.001953125)
-        # torch widens the e4m3 NaN byte to 0x7FF00000 (plus sign): later NaN payloads read it
-        nan_sf = (0x7FF00000 | (bits_of(s) & -2147483648)).to(tl.float32, bitcast=True)
-        sf = tl.where(is_nan(sf), nan_sf, sf)
-        inv_pts = _keep_nan(tl.math.div_rn(1.0, pts), pts)
-        f = tl.math.div_rn(inv_pts, sf)
-        f_bits = x86_div_nan_bits(bits_of(f), inv_pts, sf)
-        f = f_bits.to(tl.float32, bitcast=True)
-        v = x * f[:, None]
-        dec = (pts * sf)[:, None]
+    if UNIFORM:
+        amax = tl.load(amax_ptr + blk0 // blocks_per_expert)
     else:
-        bamax = tl.max(tl.where(m > 0x7F800000, 0, m), axis=1).to(tl.float32, bitcast=True)
-        # compute_global_encode_scaling_factor_FP4: fminf(2688/amax, FLT_MAX), 1 for 0 / inf amax
-        s_enc = tl.math.div_rn(2688.0, amax)
-        s_enc = tl.where((s_enc > FLT_MAX) | (is_nan(s_enc)), FLT_MAX, s_enc)  # fmin
-        s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
-        s = bamax * (s_enc * RCP_6)
-        s = tl.where((s > FLT_MAX) | (is_nan(s)), FLT_MAX, s)
-        s = tl.where(s > 448.0, 448.0, s)  # __NV_SATFINITE
-        sf = fp8_round(s, 3, 0.015625, 512.0, 0.001953125)
-        s_dec = tl.math.div_rn(1.0, s_enc)
-        rcp = tl.math.div_rn(1.0, sf * s_dec)
-        rcp = tl.where((rcp > FLT_MAX) | (is_nan(rcp)), FLT_MAX, rcp)
-        v = x * rcp[:, None]
-        f = rcp
-        # the decode-direction global round trip of fake_quantize: (amax / 2688) * 2688
-        g = tl.math.div_rn(amax, 2688.0) * 2688.0
-        dec = ((sf * g) * RCP_2688)[:, None]
+        amax = tl.load(amax_ptr + blk // blocks_per_expert, mask=bmask, other=1.0)
+    ga, gb, gc = _globals(amax, PROFILE)
+    # block amax on magnitude bits: NaN bits sort above inf, so an integer max propagates NaN
+    m = bits_of(x) & 0x7FFFFFFF
+    bmax = tl.max(m, axis=1)
 
     if FAKE:
-        # a tile whose scaled values are all finite takes the short grid rounding (see _mx_kernel)
-        if tl.max(tl.max(bits_of(v) & 0x7FFFFFFF, axis=1), axis=0) < 0x7F800000:
-            y = e2m1_round_value(v) * dec
+        # Short path: the scale chain without NaN bookkeeping, valid when every scaled value
+        # is finite. That holds iff RN(bamax * f) is finite in every block (rounding is
+        # monotone, and a NaN anywhere upstream makes f or bamax NaN), so the check costs one
+        # product per block instead of one test per element.
+        bamax = bmax.to(tl.float32, bitcast=True)
+        sf, f, dec = _chain_finite(bamax, ga, gb, gc, PROFILE)
+        if tl.max(bits_of(bamax * f) & 0x7FFFFFFF, axis=0) < 0x7F800000:
+            y = e2m1_round_value(x * f[:, None]) * dec[:, None]
         else:
-            y = e2m1_value(_codes(x, v, f, PROFILE)) * dec
+            sf, f, dec = _chain_exact(m, bmax, amax, ga, gb, gc, PROFILE)
+            y = e2m1_value(_codes(x, x * f[:, None], f, PROFILE)) * dec[:, None]
         store_rounded(out_ptr + idx, y, mask, BF16_BITS, HW)
     else:
-        code = _codes(x, v, f, PROFILE)
+        sf, f, dec = _chain_exact(m, bmax, amax, ga, gb, gc, PROFILE)
+        code = _codes(x, x * f[:, None], f, PROFILE)
         oidx = blk[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
         tl.store(out_ptr + oidx, pack_pairs(code, NB, BLOCK), mask=mask)
         # sf is an exact e4m3 value; a NaN scale is written as torch's cast writes it (0x7F)
         sb = sf.to(scale_ptr.dtype.element_ty).to(tl.uint8, bitcast=True)
         sb = tl.where(is_nan(sf), (0x7F | ((bits_of(sf) >> 24) & 0x80)).to(tl.uint8), sb)
         tl.store(scale_ptr.to(tl.pointer_type(tl.uint8)) + blk, sb, mask=bmask)
+
+
+@triton.jit
+def _globals(amax, PROFILE: tl.constexpr):
+    """The per-tensor scalars of a global amax (a scalar, or one per block), as the reference
+    computes them on the CPU: torchao (pts, 1/pts, -); TE (S_enc/6, 1/S_enc, g)."""
+    if PROFILE == TORCHAO:
+        # GPU arithmetic returns the canonical NaN; each step keeps the CPU's NaN payload instead
+        # (quantize() codes of NaN-scaled blocks read it, see _common.x86_mul_nan_bits)
+        pts = _keep_nan(tl.math.div_rn(amax, 2688.0), amax)  # per_tensor_amax_to_scale
+        return pts, _keep_nan(tl.math.div_rn(1.0, pts), pts), pts
+    # compute_global_encode_scaling_factor_FP4: fminf(2688/amax, FLT_MAX), 1 for 0 / inf amax
+    s_enc = tl.math.div_rn(2688.0, amax)
+    s_enc = tl.where((s_enc > FLT_MAX) | (is_nan(s_enc)), FLT_MAX, s_enc)  # fmin
+    s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+    # the decode-direction global round trip of fake_quantize: (amax / 2688) * 2688
+    g = tl.math.div_rn(amax, 2688.0) * 2688.0
+    return s_enc * RCP_6, tl.math.div_rn(1.0, s_enc), g
+
+
+@triton.jit
+def _chain_finite(bamax, ga, gb, gc, PROFILE: tl.constexpr):
+    """Block scale, encode factor and decode scale, for finite inputs: ``_chain_exact``'s
+    operations minus its NaN/overflow bookkeeping (the caller checks that none was needed)."""
+    if PROFILE == TORCHAO:
+        s = tl.math.div_rn(tl.math.div_rn(bamax, 6.0), ga)
+        s = tl.where(s < E4M3_TINY, E4M3_TINY, tl.where(s > 448.0, 448.0, s))
+        sf = fp8_round(s, 3, 0.015625, 512.0, 0.001953125)
+        return sf, tl.math.div_rn(gb, sf), ga * sf
+    s = bamax * ga
+    s = tl.where(s > 448.0, 448.0, s)  # also takes an overflow to inf, as TE's FLT_MAX guard
+    sf = fp8_round(s, 3, 0.015625, 512.0, 0.001953125)
+    rcp = tl.minimum(tl.math.div_rn(1.0, sf * gb), FLT_MAX)  # zero blocks: 1/0 -> FLT_MAX
+    return sf, rcp, (sf * gc) * RCP_2688
+
+
+@triton.jit
+def _chain_exact(m, bmax, amax, ga, gb, gc, PROFILE: tl.constexpr):
+    """The reference's block-scale chain with its NaN rules (and the CPU's NaN payloads)."""
+    if PROFILE == TORCHAO:
+        bamax = bmax.to(tl.float32, bitcast=True)
+        s = _keep_nan(tl.math.div_rn(bamax, 6.0), bamax)
+        s = x86_div_nan_bits(bits_of(tl.math.div_rn(s, ga)), s, ga).to(tl.float32, bitcast=True)
+        s = tl.where(s < E4M3_TINY, E4M3_TINY, tl.where(s > 448.0, 448.0, s))  # NaN stays
+        sf = fp8_round(s, 3, 0.015625, 512.0, 0.001953125)
+        # torch widens the e4m3 NaN byte to 0x7FF00000 (plus sign): later NaN payloads read it
+        nan_sf = (0x7FF00000 | (bits_of(s) & -2147483648)).to(tl.float32, bitcast=True)
+        sf = tl.where(is_nan(sf), nan_sf, sf)
+        f = tl.math.div_rn(gb, sf)
+        f = x86_div_nan_bits(bits_of(f), gb, sf).to(tl.float32, bitcast=True)
+        return sf, f, ga * sf
+    # TE skips NaN in the block amax (fmaxf from 0)
+    bamax = tl.max(tl.where(m > 0x7F800000, 0, m), axis=1).to(tl.float32, bitcast=True)
+    s = bamax * ga
+    s = tl.where((s > FLT_MAX) | (is_nan(s)), FLT_MAX, s)
+    s = tl.where(s > 448.0, 448.0, s)  # __NV_SATFINITE
+    sf = fp8_round(s, 3, 0.015625, 512.0, 0.001953125)
+    rcp = tl.math.div_rn(1.0, sf * gb)
+    rcp = tl.where((rcp > FLT_MAX) | (is_nan(rcp)), FLT_MAX, rcp)
+    return sf, rcp, (sf * gc) * RCP_2688
 
 
 @triton.jit

@@ -63,10 +63,14 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# The interpreter costs ~5 ms per program: few, big programs (tests lower this to get tiles
+# of both kinds, short path and exact path, in one call).
+_INTERPRET_MAX_NB = 4096
+
+
 def _blocks_per_program(n_blocks: int, block: int) -> int:
     if _interpret():
-        # the interpreter costs ~5 ms per program: few, big programs
-        return max(16, min(4096, triton_next_pow2(n_blocks)))
+        return max(16, min(_INTERPRET_MAX_NB, triton_next_pow2(n_blocks)))
     return 4096 // block  # 4096 elements (8 KiB of bf16) per program
 
 
@@ -127,34 +131,61 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def global_amax(x: torch.Tensor, *, per_leading: bool, ignore_nan: bool) -> torch.Tensor:
-    """fp32 abs-max of ``x`` (0-dim), or one per leading index (``[E, 1, ...]``), in two light
-    passes (partial maxima, then torch's max over them). NaN propagates unless ``ignore_nan``."""
-    _, nvk = _triton()
+    """fp32 abs-max of ``x`` (0-dim), or one per leading index (``[E, 1, ...]``), in one pass
+    (an atomic integer max per chunk). NaN propagates unless ``ignore_nan``."""
     x = x.contiguous()
     n_exp = x.shape[0] if per_leading else 1
-    n_per = x.numel() // max(n_exp, 1)
-    chunk = 1 << 20 if _interpret() else 16384
-    n_parts = max(1, triton_cdiv(n_per, chunk))
-    part = torch.empty((n_exp, n_parts), dtype=torch.float32, device=x.device)
-    if n_per:
-        nvk.amax_kernel[(n_exp, n_parts)](_bits(x), part, n_per, n_parts, BLOCK=chunk,
-                                          IGNORE_NAN=ignore_nan,
-                                          BF16_BITS=x.dtype == torch.bfloat16, num_warps=8)
-    else:
-        part.zero_()
-    # partials are >= 0 (or NaN): an integer max on their bits propagates NaN with its payload
-    amax = part.view(torch.int32).amax(dim=1).view(torch.float32)
+    bits = torch.zeros(n_exp, dtype=torch.int32, device=x.device)
+    _amax_into(bits, x, 0, n_exp, ignore_nan)
+    amax = bits.view(torch.float32)
     if per_leading:
         return amax.reshape((n_exp,) + (1,) * (x.dim() - 1))
     return amax.reshape(())
 
 
-def _run_nvfp4(x, recipe, global_amax_arg, fake: bool):
+def _amax_into(bits: torch.Tensor, x: torch.Tensor, e0: int, e1: int, ignore_nan: bool) -> None:
+    """Fold the abs-max of experts [e0, e1) of contiguous ``x`` (viewed as ``bits.numel()``
+    equal experts) into the int32 ``bits`` (the fp32 amax bits, zero-initialised)."""
     _, nvk = _triton()
+    n_per = x.numel() // bits.numel()
+    if n_per == 0 or e1 <= e0:
+        return
+    chunk = 1 << 20 if _interpret() else 16384
+    nvk.amax_kernel[(e1 - e0, triton_cdiv(n_per, chunk))](
+        _bits(x), bits, e0, n_per, BLOCK=chunk, IGNORE_NAN=ignore_nan,
+        BF16_BITS=x.dtype == torch.bfloat16, num_warps=8)
+
+
+def _nvfp4_outputs(x: torch.Tensor, fake: bool):
+    if fake:
+        return torch.empty_like(x), x  # scale_ptr unused
+    out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((*x.shape[:-1], x.shape[-1] // 16), dtype=torch.float8_e4m3fn,
+                        device=x.device)
+    return out, scale
+
+
+def _launch_nvfp4(x, out, scale, amax_flat, recipe, fake: bool, first: int, end: int,
+                  reverse: bool = False, nb: int | None = None, num_warps: int = 4) -> None:
+    """Blocks [first, end) of contiguous ``x``; ``amax_flat`` holds one fp32 amax per expert.
+    ``nb`` / ``num_warps`` override the tile (jobs/bench_qdq.py --sweep tunes them)."""
+    _, nvk = _triton()
+    bpe = x.numel() // 16 // amax_flat.numel()
+    nb = nb or _blocks_per_program(end - first, 16)
+    # one expert per program (the global scalars computed once per program) when program
+    # tiles never straddle an expert boundary
+    uniform = amax_flat.numel() == 1 or (bpe % nb == 0 and first % nb == 0)
+    nvk.nvfp4_kernel[(triton_cdiv(end - first, nb),)](
+        _bits(x), _bits(out), scale, amax_flat, first, end, bpe, NB=nb,
+        PROFILE={"torchao": 0, "te": 1}[recipe.profile], FAKE=fake,
+        BF16_BITS=x.dtype == torch.bfloat16, HW=not _interpret(), UNIFORM=uniform,
+        REVERSE=reverse, num_warps=num_warps)
+
+
+def _run_nvfp4(x, recipe, global_amax_arg, fake: bool):
     x = x.contiguous()
     if x.numel() == 0:
         raise ValueError(f"cannot quantize an empty tensor of shape {list(x.shape)}")
-    n_blocks = x.numel() // 16
     if global_amax_arg is None:
         amax = global_amax(x, per_leading=False, ignore_nan=recipe.profile == "te")
     else:
@@ -163,20 +194,45 @@ def _run_nvfp4(x, recipe, global_amax_arg, fake: bool):
         if not ((x.dim() >= 2 and tuple(amax.shape) == per_expert) or amax.numel() == 1):
             raise ValueError(f"global_amax must be a scalar or shape {list(per_expert)} for an "
                              f"input of shape {list(x.shape)}, got shape {list(amax.shape)}")
-    amax_flat = amax.reshape(-1).contiguous()
-    bpe = n_blocks // amax_flat.numel()
-    if fake:
-        out, scale = torch.empty_like(x), x
-    else:
-        out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8, device=x.device)
-        scale = torch.empty((*x.shape[:-1], x.shape[-1] // 16), dtype=torch.float8_e4m3fn,
-                            device=x.device)
-    nb = _blocks_per_program(n_blocks, 16)
-    nvk.nvfp4_kernel[(triton_cdiv(n_blocks, nb),)](
-        _bits(x), _bits(out), scale, amax_flat, n_blocks, bpe, NB=nb,
-        PROFILE={"torchao": 0, "te": 1}[recipe.profile], FAKE=fake,
-        BF16_BITS=x.dtype == torch.bfloat16, HW=not _interpret(), num_warps=4)
+    out, scale = _nvfp4_outputs(x, fake)
+    _launch_nvfp4(x, out, scale, amax.reshape(-1).contiguous(), recipe, fake, 0, x.numel() // 16)
     return out, scale, amax
+
+
+def fake_quantize_experts(x: torch.Tensor, fmt, profile: str | None = None, *,
+                          l2_fraction: float = 0.5) -> torch.Tensor:
+    """Fake quantization of an expert stack ``[E, ...]`` with NVFP4's global scale taken per
+    expert (``global_amax = x.abs().amax(dim=(-2, -1))``, NaN propagating), the QAT weight path;
+    other formats have no global scale and equal ``fake_quantize``.
+
+    Same bits as the amax pass followed by one ``fake_quantize``, but scheduled for the L2
+    cache: experts go in groups of at most ``l2_fraction`` of L2, each group's amax pass
+    directly followed by its quantize pass over the same bytes in reverse order, so the second
+    read mostly hits L2 instead of HBM."""
+    recipe, spec = _check(x, fmt, profile)
+    if spec.scale == "e8m0":
+        return _run_mx(x, recipe, spec, fake=True)[0]
+    if x.dim() < 2 or x.numel() == 0:
+        raise ValueError(f"fake_quantize_experts expects a non-empty [E, ...] stack, got shape "
+                         f"{list(x.shape)}")
+    x = x.contiguous()
+    n_exp = x.shape[0]
+    bits = torch.zeros(n_exp, dtype=torch.int32, device=x.device)
+    out, scale = _nvfp4_outputs(x, fake=True)
+    bpe = x.numel() // 16 // n_exp
+    group = max(1, int(_l2_bytes(x.device) * l2_fraction) // max(1, bpe * 16 * x.element_size()))
+    for e0 in range(0, n_exp, group):
+        e1 = min(n_exp, e0 + group)
+        _amax_into(bits, x, e0, e1, ignore_nan=False)
+        _launch_nvfp4(x, out, scale, bits.view(torch.float32), recipe, True, e0 * bpe, e1 * bpe,
+                      reverse=True)
+    return out
+
+
+def _l2_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1 << 22  # the interpreter: any size exercises the grouping
+    return int(torch.cuda.get_device_properties(device).L2_cache_size)
 
 
 def quantize(x: torch.Tensor, fmt, profile: str | None = None, *,

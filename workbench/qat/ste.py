@@ -1,7 +1,7 @@
 """Fake quantization with an identity straight-through estimator (STE).
 
-Forward: ``workbench.formats.fake_quantize`` (the reference codec; a Triton kernel later takes
-its place on GPU with identical bits). Backward: the incoming gradient passes unchanged to the
+Forward: ``workbench.formats.fake_quantize`` (the reference codec), or on CUDA tensors the Triton
+kernels of ``workbench.kernels`` with identical bits. Backward: the incoming gradient passes unchanged to the
 BF16 master, including for elements that were clipped at the format maximum — the common QAT
 choice (torchao's QAT, Megatron/TE fake quant), because MX/NVFP4 scales follow the block amax,
 so nothing is clipped by design except by FLOOR-style scale rules.
@@ -42,9 +42,8 @@ def _fq(x: torch.Tensor, recipe: Recipe, dim: int, per_leading: bool) -> torch.T
     fast = _kernels(x, recipe)
     if recipe.fmt == "nvfp4" and per_leading and x.dim() == 3:
         # One NVFP4 per-tensor scale per expert, as each expert Linear has in a checkpoint.
-        if fast is not None:
-            amax = fast.global_amax(x.detach(), per_leading=True, ignore_nan=False)
-            return fast.fake_quantize(x, recipe, global_amax=amax)
+        if fast is not None:  # the amax and quantize passes scheduled for L2 reuse
+            return fast.fake_quantize_experts(x, recipe)
         amax = x.detach().abs().amax(dim=(-2, -1), keepdim=True).float()
         return fake_quantize(x, recipe, global_amax=amax)
     if fast is not None:
