@@ -95,11 +95,15 @@ def cmd_env(args) -> dict:
         info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         info["gpu_mem_gib"] = [round(torch.cuda.get_device_properties(i).total_memory / GIB, 1)
                                for i in range(torch.cuda.device_count())]
-    try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, text=True,
-                                            capture_output=True, timeout=10, check=False).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        info["git_commit"] = "unknown"
+    # the device tool copies the working tree without .git: the caller may name the commit
+    info["git_commit"] = os.environ.get("WORKBENCH_COMMIT", "")
+    if not info["git_commit"]:
+        try:
+            info["git_commit"] = subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=REPO, text=True, capture_output=True,
+                timeout=10, check=False).stdout.strip() or "unknown"
+        except (OSError, subprocess.SubprocessError):
+            info["git_commit"] = "unknown"
     if args.out:
         _write_json(Path(args.out), info)
     print("[ep2] env " + json.dumps(info), flush=True)

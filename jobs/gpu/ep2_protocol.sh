@@ -10,7 +10,9 @@
 #
 #   jobs/gpu/ep2_protocol.sh                  # GPU: 2 ranks, NCCL, qwen3_30b_a3b_like experts
 #   jobs/gpu/ep2_protocol.sh --cpu            # CPU: 2 ranks, gloo, the tiny preset (a dry run)
+#   jobs/gpu/ep2_protocol.sh --nproc 1        # the same protocol on one GPU (EP1: every expert local)
 #   options: --steps N  --work DIR  --out DIR  --layers L  --batch B  --seq S  --deadline SECONDS
+#            --nproc N (ranks = GPUs, default 2)
 # Results go to --out (default $OUT, else ./out/ep2): summary.md, summary.json, protocol.log,
 # runs.tar.gz (metrics.jsonl, configs, results, logs of every run; no checkpoints).
 #
@@ -23,7 +25,7 @@ set -uo pipefail
 
 MODE=gpu
 START=$(date +%s)
-STEPS=""; WORK=""; RESULTS="${OUT:-}"; LAYERS=2; BATCH=""; SEQ=""
+STEPS=""; WORK=""; RESULTS="${OUT:-}"; LAYERS=2; BATCH=""; SEQ=""; NPROC=2
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu) MODE=cpu ;;
@@ -34,6 +36,7 @@ while [ $# -gt 0 ]; do
     --batch) BATCH="$2"; shift ;;
     --seq) SEQ="$2"; shift ;;
     --deadline) DEADLINE="$2"; shift ;;
+    --nproc) NPROC="$2"; shift ;;
     -h|--help) sed -n 2,23p "$0"; exit 0 ;;
     *) echo "ep2_protocol.sh: unknown option $1" >&2; exit 2 ;;
   esac
@@ -80,7 +83,7 @@ LOG="$RESULTS/protocol.log"
 : > "$LOG"
 PHASES="$WORK/phases.json"
 echo "{}" > "$PHASES"
-COMMAND="jobs/gpu/ep2_protocol.sh $([ "$MODE" = cpu ] && echo --cpu) --steps $STEPS --layers $LAYERS --batch $BATCH --seq $SEQ"
+COMMAND="jobs/gpu/ep2_protocol.sh $([ "$MODE" = cpu ] && echo --cpu) --nproc $NPROC --steps $STEPS --layers $LAYERS --batch $BATCH --seq $SEQ"
 
 say() { echo "[ep2 $(date -u +%H:%M:%S)] $*" | tee -a "$LOG"; }
 left() { echo $(( START + DEADLINE - $(date +%s) )); }
@@ -117,7 +120,7 @@ size_of() {  # size_of NAME PATH: bytes on disk, into sizes.json (checkpoint and
 }
 echo "{}" > "$WORK/sizes.json"
 
-TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node 2)
+TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC")
 DRIVER=jobs/gpu/ep2_driver.py
 COMMON=(--preset "$PRESET" --steps "$STEPS" --batch "$BATCH" --seq "$SEQ" --lr "$LR"
         --warmup "$WARMUP" --val-every "$VAL_EVERY" --keep 1 --seed 0 --wandb disabled

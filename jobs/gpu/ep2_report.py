@@ -269,7 +269,8 @@ def markdown(s: dict) -> str:
                f"{env.get('python')}; commit {str(env.get('git_commit'))[:12]}")
     header = ("| run | recipe | steps | first loss | final loss | final val | median step s | "
               "tokens/s/GPU | peak GPU GiB (rank 0) |")
-    lines = ["## EP2 protocol summary", "", machine, f"command: `{s.get('command')}`", "", header,
+    world = (s.get("run_bf16") or s.get("run_qat") or {}).get("world_size", "?")
+    lines = [f"## EP{world} protocol summary", "", machine, f"command: `{s.get('command')}`", "", header,
              "|---|---|---|---|---|---|---|---|---|"]
     for name in ("bf16", "qat"):
         r = s.get(f"run_{name}") or {}
