@@ -9,9 +9,9 @@ codec under torch.compile, and the Triton kernel (workbench.kernels). Columns: m
 (triton.testing.do_bench), GB/s counting one bf16 read and one bf16 write, fraction of the copy
 rate, speedup over torchao compiled. NVFP4 rows include the global-amax pass (one more read),
 except "amax given"; the "per-expert" rows take one global per leading index (the QAT weight
-path): the amax pass then the quantize pass over the whole tensor, against
-``kernels.fake_quantize_experts``, which runs both over groups of experts that fit in a share of
-the L2 cache (the quantize pass then re-reads its input from L2).
+path): the amax pass then the quantize pass in launch order, and
+``kernels.fake_quantize_experts``, whose quantize pass runs its tiles in reverse (starting on
+what the amax pass left in L2).
 """
 
 from __future__ import annotations
@@ -74,8 +74,6 @@ def main(argv=None) -> None:
     ap.add_argument("--all-rows", action="store_true",
                     help="torchao eager and the compiled rows on every shape (default: the first "
                          "shape only; each compile costs tens of seconds)")
-    ap.add_argument("--l2-fractions", default="0.25,0.5,0.75",
-                    help="NVFP4 per-expert rows: expert groups of at most this share of L2")
     ap.add_argument("--sweep", action="store_true",
                     help="first shape: NVFP4 (amax given) tiles x warps, to tune the launch")
     ap.add_argument("--ncu-target", action="store_true",
@@ -99,14 +97,12 @@ def main(argv=None) -> None:
           f"{'vs ao.c':>9}")
     for si, text in enumerate(args.shapes.split(",")):
         _shape_rows(text, args.formats.split(","), full=si == 0 or args.all_rows,
-                    compile_rows=not args.no_compile,
-                    l2_fractions=tuple(float(f) for f in args.l2_fractions.split(",")),
-                    sweep=args.sweep and si == 0)
+                    compile_rows=not args.no_compile, sweep=args.sweep and si == 0)
         torch.cuda.empty_cache()
 
 
 def _shape_rows(text: str, formats: list[str], *, full: bool, compile_rows: bool,
-                l2_fractions: tuple[float, ...], sweep: bool) -> None:
+                sweep: bool) -> None:
     """Every row of one shape; ``full`` adds torchao eager and the compiled rows."""
     from workbench import formats as F
     from workbench import kernels as K
@@ -152,9 +148,8 @@ def _shape_rows(text: str, formats: list[str], *, full: bool, compile_rows: bool
             row(fmt, "per-expert, 2 passes", _bench(two_pass, x), ao_c_ms)
             if sweep:
                 _sweep_rows(x, amax, row, ao_c_ms)
-            for frac in l2_fractions:
-                fqe = functools.partial(K.fake_quantize_experts, fmt="nvfp4", l2_fraction=frac)
-                row(fmt, f"per-expert, L2 x{frac:g}", _bench(fqe, x), ao_c_ms)
+            fqe = functools.partial(K.fake_quantize_experts, fmt="nvfp4")
+            row(fmt, "per-expert, reversed", _bench(fqe, x), ao_c_ms)
 
 
 def _sweep_rows(x, amax, row, ao_c_ms) -> None:
@@ -164,15 +159,19 @@ def _sweep_rows(x, amax, row, ao_c_ms) -> None:
 
     recipe = parse_recipe("nvfp4")
     n = x.numel() // 16
-    for nb in (128, 256, 512, 1024):
-        for warps in (4, 8):
-            def fq(t, nb=nb, warps=warps):
+    for nb in (64, 128, 256):
+        for warps in (2, 4, 8):
+            handle = []
+
+            def fq(t, nb=nb, warps=warps, handle=handle):
                 out = torch.empty_like(t)
                 # the library's private launcher: the same kernel with another tile
-                K.api._launch_nvfp4(t, out, t, amax.reshape(1), recipe, True, 0, n, nb=nb,
-                                    num_warps=warps)
+                handle[:] = [K.api._launch_nvfp4(t, out, t, amax.reshape(1), recipe, True, 0, n,
+                                                 nb=nb, num_warps=warps)]
                 return out
-            row("nvfp4", f"amax given NB{nb} w{warps}", _bench(fq, x), ao_c_ms)
+            ms = _bench(fq, x)
+            regs = f" r{handle[0].n_regs}s{handle[0].n_spills}" if handle else ""
+            row("nvfp4", f"NB{nb} w{warps}{regs}", ms, ao_c_ms)
 
 
 def _ncu_target(text: str, formats: list[str]) -> None:

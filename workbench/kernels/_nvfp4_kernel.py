@@ -110,7 +110,7 @@ def nvfp4_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, first_block, end_block, bl
 @triton.jit
 def _globals(amax, PROFILE: tl.constexpr):
     """The per-tensor scalars of a global amax (a scalar, or one per block), as the reference
-    computes them on the CPU: torchao (pts, 1/pts, -); TE (S_enc/6, 1/S_enc, g)."""
+    computes them on the CPU: torchao (pts, 1/pts, pts); TE (S_enc/6, 1/S_enc, amax)."""
     if PROFILE == TORCHAO:
         # GPU arithmetic returns the canonical NaN; each step keeps the CPU's NaN payload instead
         # (quantize() codes of NaN-scaled blocks read it, see _common.x86_mul_nan_bits)
@@ -120,9 +120,9 @@ def _globals(amax, PROFILE: tl.constexpr):
     s_enc = tl.math.div_rn(2688.0, amax)
     s_enc = tl.where((s_enc > FLT_MAX) | (is_nan(s_enc)), FLT_MAX, s_enc)  # fmin
     s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
-    # the decode-direction global round trip of fake_quantize: (amax / 2688) * 2688
-    g = tl.math.div_rn(amax, 2688.0) * 2688.0
-    return s_enc * RCP_6, tl.math.div_rn(1.0, s_enc), g
+    # TE decodes with its stored global, the amax itself (fake_quantize carries it as the
+    # library global, so no amax/2688*2688 round trip, which is off by an ulp for ~15% of amaxes)
+    return s_enc * RCP_6, tl.math.div_rn(1.0, s_enc), amax
 
 
 @triton.jit

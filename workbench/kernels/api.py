@@ -71,7 +71,10 @@ _INTERPRET_MAX_NB = 4096
 def _blocks_per_program(n_blocks: int, block: int) -> int:
     if _interpret():
         return max(16, min(_INTERPRET_MAX_NB, triton_next_pow2(n_blocks)))
-    return 4096 // block  # 4096 elements (8 KiB of bf16) per program
+    # Elements per program, from the H200 sweep (jobs/bench_qdq.py --sweep, NOTES.md): MX 4096
+    # (8 KiB of bf16); NVFP4 2048, whose longer scale chain needs more registers per element,
+    # so smaller tiles keep more warps resident.
+    return (4096 if block == 32 else 2048) // block
 
 
 def triton_next_pow2(n: int) -> int:
@@ -166,16 +169,17 @@ def _nvfp4_outputs(x: torch.Tensor, fake: bool):
 
 
 def _launch_nvfp4(x, out, scale, amax_flat, recipe, fake: bool, first: int, end: int,
-                  reverse: bool = False, nb: int | None = None, num_warps: int = 4) -> None:
+                  reverse: bool = False, nb: int | None = None, num_warps: int = 4):
     """Blocks [first, end) of contiguous ``x``; ``amax_flat`` holds one fp32 amax per expert.
-    ``nb`` / ``num_warps`` override the tile (jobs/bench_qdq.py --sweep tunes them)."""
+    ``nb`` / ``num_warps`` override the tile (jobs/bench_qdq.py --sweep tunes them). Returns
+    Triton's launch handle (its ``n_regs`` / ``n_spills`` go into the benchmark's profile)."""
     _, nvk = _triton()
     bpe = x.numel() // 16 // amax_flat.numel()
     nb = nb or _blocks_per_program(end - first, 16)
     # one expert per program (the global scalars computed once per program) when program
     # tiles never straddle an expert boundary
     uniform = amax_flat.numel() == 1 or (bpe % nb == 0 and first % nb == 0)
-    nvk.nvfp4_kernel[(triton_cdiv(end - first, nb),)](
+    return nvk.nvfp4_kernel[(triton_cdiv(end - first, nb),)](
         _bits(x), _bits(out), scale, amax_flat, first, end, bpe, NB=nb,
         PROFILE={"torchao": 0, "te": 1}[recipe.profile], FAKE=fake,
         BF16_BITS=x.dtype == torch.bfloat16, HW=not _interpret(), UNIFORM=uniform,
@@ -199,16 +203,14 @@ def _run_nvfp4(x, recipe, global_amax_arg, fake: bool):
     return out, scale, amax
 
 
-def fake_quantize_experts(x: torch.Tensor, fmt, profile: str | None = None, *,
-                          l2_fraction: float = 0.5) -> torch.Tensor:
+def fake_quantize_experts(x: torch.Tensor, fmt, profile: str | None = None) -> torch.Tensor:
     """Fake quantization of an expert stack ``[E, ...]`` with NVFP4's global scale taken per
-    expert (``global_amax = x.abs().amax(dim=(-2, -1))``, NaN propagating), the QAT weight path;
-    other formats have no global scale and equal ``fake_quantize``.
+    expert (``global_amax = x.abs().amax(dim=(-2, -1))``, NaN propagating): the QAT weight
+    path. Other formats have no global scale and equal ``fake_quantize``.
 
-    Same bits as the amax pass followed by one ``fake_quantize``, but scheduled for the L2
-    cache: experts go in groups of at most ``l2_fraction`` of L2, each group's amax pass
-    directly followed by its quantize pass over the same bytes in reverse order, so the second
-    read mostly hits L2 instead of HBM."""
+    Two launches (amax, then quantize) whatever E is: per-expert launches measured slower on an
+    H200, being bound by the host's launch rate (NOTES.md). The quantize pass takes its tiles
+    from the end, so it starts on the lines the amax pass left in L2."""
     recipe, spec = _check(x, fmt, profile)
     if spec.scale == "e8m0":
         return _run_mx(x, recipe, spec, fake=True)[0]
@@ -216,23 +218,12 @@ def fake_quantize_experts(x: torch.Tensor, fmt, profile: str | None = None, *,
         raise ValueError(f"fake_quantize_experts expects a non-empty [E, ...] stack, got shape "
                          f"{list(x.shape)}")
     x = x.contiguous()
-    n_exp = x.shape[0]
-    bits = torch.zeros(n_exp, dtype=torch.int32, device=x.device)
+    bits = torch.zeros(x.shape[0], dtype=torch.int32, device=x.device)
+    _amax_into(bits, x, 0, x.shape[0], ignore_nan=False)
     out, scale = _nvfp4_outputs(x, fake=True)
-    bpe = x.numel() // 16 // n_exp
-    group = max(1, int(_l2_bytes(x.device) * l2_fraction) // max(1, bpe * 16 * x.element_size()))
-    for e0 in range(0, n_exp, group):
-        e1 = min(n_exp, e0 + group)
-        _amax_into(bits, x, e0, e1, ignore_nan=False)
-        _launch_nvfp4(x, out, scale, bits.view(torch.float32), recipe, True, e0 * bpe, e1 * bpe,
-                      reverse=True)
+    _launch_nvfp4(x, out, scale, bits.view(torch.float32), recipe, True, 0, x.numel() // 16,
+                  reverse=True)
     return out
-
-
-def _l2_bytes(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1 << 22  # the interpreter: any size exercises the grouping
-    return int(torch.cuda.get_device_properties(device).L2_cache_size)
 
 
 def quantize(x: torch.Tensor, fmt, profile: str | None = None, *,
@@ -241,16 +232,20 @@ def quantize(x: torch.Tensor, fmt, profile: str | None = None, *,
     recipe, spec = _check(x, fmt, profile)
     if spec.scale == "e8m0":
         data, scale = _run_mx(x, recipe, spec, fake=False)
-        gs = None
+        gs = lib = None
     else:
         from workbench.formats.nvfp4 import from_library_global
         from workbench.formats.nvfp4_profiles import get_profile
 
         data, scale, amax = _run_nvfp4(x, recipe, global_amax, fake=False)
-        # the stored global: the reference's own scalar arithmetic on the amax
-        g = get_profile(recipe.profile).global_from_amax(amax)
-        gs = from_library_global(g, recipe.profile)
-    return QuantizedTensor(recipe.fmt, recipe.profile, data, scale, gs, tuple(x.shape))
+        # The stored global: the reference's own scalar arithmetic on the amax, on the CPU.
+        # On CUDA, torch evaluates ``amax / 2688`` as ``amax * fl(1/2688)``, one ulp off the
+        # true division that the kernel's block scales were computed with.
+        g = get_profile(recipe.profile).global_from_amax(amax.cpu())
+        gs = from_library_global(g, recipe.profile).to(x.device)
+        lib = g.to(x.device)  # what TE decodes with (the amax): no lossy round trip
+    return QuantizedTensor(recipe.fmt, recipe.profile, data, scale, gs, tuple(x.shape),
+                           library_global=lib)
 
 
 def fake_quantize(x: torch.Tensor, fmt, profile: str | None = None, *,
