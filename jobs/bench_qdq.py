@@ -158,7 +158,6 @@ def _sweep_rows(x, amax, row, ao_c_ms) -> None:
     from workbench.formats import parse_recipe
 
     recipe = parse_recipe("nvfp4")
-    n = x.numel() // 16
     for nb in (64, 128, 256):
         for warps in (2, 4, 8):
             handle = []
@@ -166,7 +165,7 @@ def _sweep_rows(x, amax, row, ao_c_ms) -> None:
             def fq(t, nb=nb, warps=warps, handle=handle):
                 out = torch.empty_like(t)
                 # the library's private launcher: the same kernel with another tile
-                handle[:] = [K.api._launch_nvfp4(t, out, t, amax.reshape(1), recipe, True, 0, n,
+                handle[:] = [K.api._launch_nvfp4(t, out, t, amax.reshape(1), recipe, True,
                                                  nb=nb, num_warps=warps)]
                 return out
             ms = _bench(fq, x)

@@ -39,11 +39,11 @@ RCP_2688 = tl.constexpr(0.00037202380388043821)  # fp32(1/2688)
 
 
 @triton.jit
-def amax_kernel(x_ptr, amax_bits_ptr, first_expert, n_per_expert, BLOCK: tl.constexpr,
+def amax_kernel(x_ptr, amax_bits_ptr, n_per_expert, BLOCK: tl.constexpr,
                 IGNORE_NAN: tl.constexpr, BF16_BITS: tl.constexpr):
     """Abs-max of each expert's ``BLOCK``-element chunks, folded into ``amax_bits[e]`` (int32
     bits of the fp32 amax, zero-initialised) by an atomic integer max."""
-    e = first_expert + tl.program_id(0).to(tl.int64)
+    e = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_per_expert
     x = load_f32(x_ptr, e * n_per_expert + offs, mask, BF16_BITS)
@@ -57,20 +57,20 @@ def amax_kernel(x_ptr, amax_bits_ptr, first_expert, n_per_expert, BLOCK: tl.cons
 
 
 @triton.jit
-def nvfp4_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, first_block, end_block, blocks_per_expert,
+def nvfp4_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, n_blocks, blocks_per_expert,
                  NB: tl.constexpr, PROFILE: tl.constexpr, FAKE: tl.constexpr,
                  BF16_BITS: tl.constexpr, HW: tl.constexpr, UNIFORM: tl.constexpr,
                  REVERSE: tl.constexpr):
-    """Blocks [first_block, end_block). UNIFORM: every program's blocks share one expert (so its
-    global scalars are computed once per program). REVERSE: programs take tiles from the end,
-    so a pass right after the amax pass starts on the lines that pass left in L2."""
+    """UNIFORM: every program's blocks share one expert (so its global scalars are computed
+    once per program). REVERSE: programs take tiles from the end, so a pass right after the
+    amax pass starts on the lines that pass left in L2."""
     BLOCK: tl.constexpr = 16
     pid = tl.program_id(0)
     if REVERSE:
         pid = tl.num_programs(0) - 1 - pid
-    blk0 = first_block + pid.to(tl.int64) * NB
+    blk0 = pid.to(tl.int64) * NB
     blk = blk0 + tl.arange(0, NB)
-    bmask = blk < end_block
+    bmask = blk < n_blocks
     idx = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = bmask[:, None]
     x = load_f32(x_ptr, idx, mask, BF16_BITS)

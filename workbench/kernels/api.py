@@ -138,25 +138,23 @@ def global_amax(x: torch.Tensor, *, per_leading: bool, ignore_nan: bool) -> torc
     (an atomic integer max per chunk). NaN propagates unless ``ignore_nan``."""
     x = x.contiguous()
     n_exp = x.shape[0] if per_leading else 1
-    bits = torch.zeros(n_exp, dtype=torch.int32, device=x.device)
-    _amax_into(bits, x, 0, n_exp, ignore_nan)
-    amax = bits.view(torch.float32)
+    amax = _amax_bits(x, n_exp, ignore_nan).view(torch.float32)
     if per_leading:
         return amax.reshape((n_exp,) + (1,) * (x.dim() - 1))
     return amax.reshape(())
 
 
-def _amax_into(bits: torch.Tensor, x: torch.Tensor, e0: int, e1: int, ignore_nan: bool) -> None:
-    """Fold the abs-max of experts [e0, e1) of contiguous ``x`` (viewed as ``bits.numel()``
-    equal experts) into the int32 ``bits`` (the fp32 amax bits, zero-initialised)."""
+def _amax_bits(x: torch.Tensor, n_exp: int, ignore_nan: bool) -> torch.Tensor:
+    """int32 bits of the fp32 abs-max of each of the ``n_exp`` equal parts of contiguous ``x``."""
     _, nvk = _triton()
-    n_per = x.numel() // bits.numel()
-    if n_per == 0 or e1 <= e0:
-        return
-    chunk = 1 << 20 if _interpret() else 16384
-    nvk.amax_kernel[(e1 - e0, triton_cdiv(n_per, chunk))](
-        _bits(x), bits, e0, n_per, BLOCK=chunk, IGNORE_NAN=ignore_nan,
-        BF16_BITS=x.dtype == torch.bfloat16, num_warps=8)
+    bits = torch.zeros(n_exp, dtype=torch.int32, device=x.device)
+    n_per = x.numel() // n_exp
+    if n_per:
+        chunk = 1 << 20 if _interpret() else 16384
+        nvk.amax_kernel[(n_exp, triton_cdiv(n_per, chunk))](
+            _bits(x), bits, n_per, BLOCK=chunk, IGNORE_NAN=ignore_nan,
+            BF16_BITS=x.dtype == torch.bfloat16, num_warps=8)
+    return bits
 
 
 def _nvfp4_outputs(x: torch.Tensor, fake: bool):
@@ -168,19 +166,20 @@ def _nvfp4_outputs(x: torch.Tensor, fake: bool):
     return out, scale
 
 
-def _launch_nvfp4(x, out, scale, amax_flat, recipe, fake: bool, first: int, end: int,
-                  reverse: bool = False, nb: int | None = None, num_warps: int = 4):
-    """Blocks [first, end) of contiguous ``x``; ``amax_flat`` holds one fp32 amax per expert.
+def _launch_nvfp4(x, out, scale, amax_flat, recipe, fake: bool, reverse: bool = False,
+                  nb: int | None = None, num_warps: int = 4):
+    """Contiguous ``x``; ``amax_flat`` holds one fp32 amax per expert (leading index).
     ``nb`` / ``num_warps`` override the tile (jobs/bench_qdq.py --sweep tunes them). Returns
     Triton's launch handle (its ``n_regs`` / ``n_spills`` go into the benchmark's profile)."""
     _, nvk = _triton()
-    bpe = x.numel() // 16 // amax_flat.numel()
-    nb = nb or _blocks_per_program(end - first, 16)
+    n_blocks = x.numel() // 16
+    bpe = n_blocks // amax_flat.numel()
+    nb = nb or _blocks_per_program(n_blocks, 16)
     # one expert per program (the global scalars computed once per program) when program
     # tiles never straddle an expert boundary
-    uniform = amax_flat.numel() == 1 or (bpe % nb == 0 and first % nb == 0)
-    return nvk.nvfp4_kernel[(triton_cdiv(end - first, nb),)](
-        _bits(x), _bits(out), scale, amax_flat, first, end, bpe, NB=nb,
+    uniform = amax_flat.numel() == 1 or bpe % nb == 0
+    return nvk.nvfp4_kernel[(triton_cdiv(n_blocks, nb),)](
+        _bits(x), _bits(out), scale, amax_flat, n_blocks, bpe, NB=nb,
         PROFILE={"torchao": 0, "te": 1}[recipe.profile], FAKE=fake,
         BF16_BITS=x.dtype == torch.bfloat16, HW=not _interpret(), UNIFORM=uniform,
         REVERSE=reverse, num_warps=num_warps)
@@ -199,7 +198,7 @@ def _run_nvfp4(x, recipe, global_amax_arg, fake: bool):
             raise ValueError(f"global_amax must be a scalar or shape {list(per_expert)} for an "
                              f"input of shape {list(x.shape)}, got shape {list(amax.shape)}")
     out, scale = _nvfp4_outputs(x, fake)
-    _launch_nvfp4(x, out, scale, amax.reshape(-1).contiguous(), recipe, fake, 0, x.numel() // 16)
+    _launch_nvfp4(x, out, scale, amax.reshape(-1).contiguous(), recipe, fake)
     return out, scale, amax
 
 
@@ -218,11 +217,9 @@ def fake_quantize_experts(x: torch.Tensor, fmt, profile: str | None = None) -> t
         raise ValueError(f"fake_quantize_experts expects a non-empty [E, ...] stack, got shape "
                          f"{list(x.shape)}")
     x = x.contiguous()
-    bits = torch.zeros(x.shape[0], dtype=torch.int32, device=x.device)
-    _amax_into(bits, x, 0, x.shape[0], ignore_nan=False)
+    amax = _amax_bits(x, x.shape[0], ignore_nan=False).view(torch.float32)
     out, scale = _nvfp4_outputs(x, fake=True)
-    _launch_nvfp4(x, out, scale, bits.view(torch.float32), recipe, True, 0, x.numel() // 16,
-                  reverse=True)
+    _launch_nvfp4(x, out, scale, amax, recipe, True, reverse=True)
     return out
 
 
