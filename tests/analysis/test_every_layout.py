@@ -34,7 +34,7 @@ def test_inspect_cli_on_every_layout(layout, tmp_path):
     out = tmp_path / "report"
     r = subprocess.run([sys.executable, "-m", "workbench.cli", "inspect", str(o.path), "--recipe",
                         "mxfp4:floor", "--out", str(out)], capture_output=True, text=True,
-                       timeout=600, cwd=ROOT)
+                       timeout=600, cwd=ROOT, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     df = pd.read_csv(out / "experts.csv")
     routed = df[df.kind == "routed"]

@@ -83,23 +83,34 @@ def clip_fraction(w: torch.Tensor, deq: torch.Tensor, q: QuantizedTensor) -> flo
 def error_metrics(w: torch.Tensor, deq: torch.Tensor, q: QuantizedTensor | None) -> dict[str, float]:
     """One table row's metrics. ``q`` may be None (no grid): clip/zero fractions are NaN.
 
-    Sums are fp32 dot products (vectorised, pairwise-accumulated by BLAS): one pass each, no
-    squared temporaries."""
+    Sums are fp32 dot products (vectorised BLAS, accumulated in fp32): one pass each, no squared
+    temporaries."""
     ref, out = w.float().reshape(-1), deq.float().reshape(-1)
     err = out - ref
-    sig, noise = float(torch.dot(ref, ref)), float(torch.dot(err, err))
-    cross, energy = float(torch.dot(ref, out)), float(torch.dot(out, out))
-    norm_ref, norm_out = math.sqrt(sig), math.sqrt(energy)
     inf = float("inf")
+    return metrics_from_sums(
+        float(torch.dot(ref, ref)), float(torch.dot(err, err)), float(torch.dot(ref, out)),
+        float(torch.dot(out, out)),
+        float(torch.linalg.vector_norm(err, inf)) if err.numel() else 0.0,
+        float(torch.linalg.vector_norm(ref, inf)) if ref.numel() else 0.0,
+        clip_frac=clip_fraction(w, deq, q) if q is not None else math.nan,
+        zero_frac=zero_code_fraction(q) if q is not None else math.nan)
+
+
+def metrics_from_sums(sig: float, noise: float, cross: float, energy: float, max_abs_err: float,
+                      amax: float, *, clip_frac: float, zero_frac: float) -> dict[str, float]:
+    """The row from its sums (sum ref^2, err^2, ref*out, out^2) and maxima: the one place the
+    formulas live, shared by the reference above and the fused path (``fused.py``)."""
+    norm_ref, norm_out = math.sqrt(sig), math.sqrt(energy)
     return {
         "rel_err": math.sqrt(noise) / norm_ref if norm_ref else (0.0 if noise == 0 else math.inf),
         "sqnr_db": 10 * math.log10(sig / noise) if noise else math.inf,
-        "max_abs_err": float(torch.linalg.vector_norm(err, inf)) if err.numel() else 0.0,
+        "max_abs_err": max_abs_err,
         "cosine": cross / (norm_ref * norm_out) if norm_ref and norm_out else
         (1.0 if norm_ref == norm_out else 0.0),
-        "amax": float(torch.linalg.vector_norm(ref, inf)) if ref.numel() else 0.0,
-        "clip_frac": clip_fraction(w, deq, q) if q is not None else math.nan,
-        "zero_frac": zero_code_fraction(q) if q is not None else math.nan,
+        "amax": amax,
+        "clip_frac": clip_frac,
+        "zero_frac": zero_frac,
     }
 
 
