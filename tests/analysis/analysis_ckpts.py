@@ -41,3 +41,34 @@ def write_dense(path: Path, sd: dict[str, torch.Tensor]) -> Path:
     save_file(sd, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
     return path
+
+
+def write_mxfp4(path: Path, sd: dict[str, torch.Tensor], encode: str = "mxfp4:even",
+                scale_of: dict[str, float] | None = None) -> Path:
+    """A compressed-tensors MXFP4 checkpoint (``weight_packed`` + E8M0 ``weight_scale``) of every
+    MLP projection in ``sd``; the bytes come from the workbench codec ``encode`` (compressed-
+    tensors itself writes EVEN-like bytes). ``scale_of`` multiplies chosen weights first (to put
+    their scale bytes at the edges). Other tensors stay BF16."""
+    from workbench.formats import quantize
+
+    out = {}
+    for name, w in sd.items():
+        if name.endswith("_proj.weight"):
+            w = (w.float() * (scale_of or {}).get(name, 1.0)).bfloat16()
+            q = quantize(w, encode)
+            base = name[: -len(".weight")]
+            out[f"{base}.weight_packed"], out[f"{base}.weight_scale"] = q.data, q.scale
+        else:
+            out[name] = w
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(path / "model.safetensors"))
+    group = {"format": "mxfp4-pack-quantized", "targets": ["Linear"],
+             "input_activations": None, "output_activations": None,
+             "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
+                         "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8"}}
+    cfg = {"model_type": "qwen3_moe", "quantization_config": {
+        "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+        "quantization_status": "compressed", "ignore": ["lm_head", "re:.*mlp\\.gate$"],
+        "config_groups": {"group_0": group}}}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path

@@ -70,22 +70,36 @@ def _quantize_2d(w: torch.Tensor, recipe: Recipe):
 
 
 def _stream(items: list, work: Callable, desc: str, workers: int | None, inflight: int,
-            progress: bool) -> Iterable:
+            progress: bool, then: Callable | None = None, batch: Callable | None = None,
+            batch_limit: int = 0) -> Iterable:
+    """``work(item)`` for each item on a thread pool, results in order; at most ``inflight`` alive.
+
+    With ``then``, the pool only loads (``work``) and ``then([(item, loaded), ...])`` runs here on
+    batches whose ``batch(loaded)`` sizes reach ``batch_limit``, yielding one result per item:
+    compiled kernels use every core themselves and hold the GIL while they run, so the loads of
+    the next batch overlap them."""
     from tqdm.auto import tqdm
 
     workers = workers or max(1, min(4, os.cpu_count() or 1))
     bar = tqdm(total=len(items), desc=desc, unit="weight", disable=not progress)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        pending = []
-        it = iter(items)
-        for item in it:
-            pending.append(pool.submit(work, item))
-            if len(pending) >= inflight:
-                yield pending.pop(0).result()
-                bar.update()
-        for f in pending:
-            yield f.result()
-            bar.update()
+        pending, ready, size = [], [], 0
+        for pos, item in enumerate(items):
+            pending.append((item, pool.submit(work, item)))
+            last = pos == len(items) - 1
+            while pending and (len(pending) >= inflight or last):
+                done, fut = pending.pop(0)
+                if then is None:
+                    yield fut.result()
+                    bar.update()
+                    continue
+                ready.append((done, fut.result()))
+                size += batch(ready[-1][1])
+                if size >= batch_limit or not pending:
+                    for res in then(ready):
+                        yield res
+                        bar.update()
+                    ready, size = [], 0
     bar.close()
 
 
@@ -93,12 +107,15 @@ def _records(ck, kinds):
     return [r for r in ck.expert_records() if r.kind in kinds]
 
 
-def _rows(rec, recipe: str, metrics: dict, q) -> tuple[dict, list[dict]]:
+def _rows(rec, recipe: str, metrics: dict, q, byte_counts=None) -> tuple[dict, list[dict]]:
     base = {"layer": rec.layer, "expert": rec.expert, "proj": rec.proj, "kind": rec.kind,
             "recipe": recipe}
     row = {**base, **metrics, "numel": rec.shape[0] * rec.shape[1]}
     hist = []
-    if q is not None:
+    if byte_counts is not None:  # the fused path counted E8M0 bytes: same rows as below
+        hist = [{**base, "exponent": 1000 if b == 255 else b - 127, "count": int(byte_counts[b])}
+                for b in byte_counts.nonzero().flatten().tolist()]
+    elif q is not None:
         exps, counts = torch.unique(scale_exponents(q).flatten(), return_counts=True)
         hist = [{**base, "exponent": int(e), "count": int(c)} for e, c in zip(exps, counts)]
     return row, hist
@@ -191,26 +208,80 @@ def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "
     pd = _pd()
     recs = [parse_recipe(r) for r in recipes]
     dev = _device(device)
+    items = _records(ck, kinds)
+    mx4 = sum(r.shape[0] * r.shape[1] for r in items
+              if getattr(ck.recipe_of(r.name), "fmt", None) == "mxfp4")
+    fused_ok = {r: mx4 > 0 and _fused_reason(r, dev, mx4) is None for r in recs}
 
-    def work(rec):
+    def load(rec):
         stored = stored_grid(ck, rec)
-        if stored is None:
-            return [], []
-        stored = _to(stored, dev)
-        w = ck.view_of(rec).materialize().to(dev)
-        rows, hist = [], []
-        for r in recs:
-            q = _quantize_2d(w, r)
-            m = error_metrics(w, dequantize(q, torch.float32), q)
-            if r.fmt == stored.fmt and q.scale.shape == stored.scale.shape:
-                m.update(grid_mismatch(stored, q))
-            row, h = _rows(rec, str(r), m, q)
-            rows.append(row)
-            hist.extend(h)
-        return rows, hist
+        return None if stored is None else _to(stored, dev)
 
-    return _collect(_stream(_records(ck, kinds), work, "stored grid vs recipes", workers,
-                            inflight, progress), pd)
+    def reference(rec, stored, r, w):
+        q = _quantize_2d(w, r)
+        m = error_metrics(w, dequantize(q, torch.float32), q)
+        if r.fmt == stored.fmt and q.scale.shape == stored.scale.shape:
+            m.update(grid_mismatch(stored, q))
+        return _rows(rec, str(r), m, q)
+
+    def compute(batch):
+        """Rows of a batch of loaded weights: fused where it applies, else the reference."""
+        rows, hist = [[] for _ in batch], [[] for _ in batch]
+        decoded = {}  # decoded once per weight, only when some recipe needs the reference
+        for r in recs:
+            fused = _fused_results([(i, s) for i, (_, s) in enumerate(batch) if s is not None],
+                                   r) if fused_ok[r] else {}
+            for i, (rec, stored) in enumerate(batch):
+                if stored is None:
+                    continue
+                if i in fused:
+                    row, h = _rows(rec, str(r), fused[i].metrics, None, fused[i].byte_counts)
+                else:
+                    if i not in decoded:
+                        decoded[i] = ck.view_of(rec).materialize().to(dev)
+                    row, h = reference(rec, stored, r, decoded[i])
+                rows[i].append(row)
+                hist[i].extend(h)
+        return list(zip(rows, hist))
+
+    if any(fused_ok.values()):  # loads overlap the compiled passes, which run here
+        from .fused import BATCH_BLOCKS
+
+        results = _stream(items, load, "stored grid vs recipes", workers, inflight, progress,
+                          then=compute, batch=lambda s: 0 if s is None else s.scale.numel(),
+                          batch_limit=BATCH_BLOCKS)
+    else:
+        results = _stream(items, lambda rec: compute([(rec, load(rec))])[0],
+                          "stored grid vs recipes", workers, inflight, progress)
+    return _collect(results, pd)
+
+
+def _fused_reason(recipe: Recipe, dev: torch.device, elements: int) -> str | None:
+    from . import fused
+
+    why = fused.static_reason(recipe, dev, elements)
+    fused.log_choice(str(recipe), why)
+    return why
+
+
+def _fused_results(grids: list, recipe: Recipe) -> dict:
+    """{position: FusedResult} for the grids the fused path takes (reasons for the others are
+    logged once); one compiled call per stored profile."""
+    from . import fused
+
+    by_profile: dict[str, list] = {}
+    for i, g in grids:
+        why = fused.grid_reason(g)
+        if why is None:
+            by_profile.setdefault(g.profile, []).append((i, g))
+        else:
+            fused.log_choice(str(recipe), why)
+    out = {}
+    for members in by_profile.values():
+        res = fused.stored_vs_recipe([g for _, g in members], recipe)
+        if res is not None:
+            out.update({i: x for (i, _), x in zip(members, res)})
+    return out
 
 
 def _to(q, dev):

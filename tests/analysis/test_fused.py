@@ -1,0 +1,217 @@
+"""The fused CPU path of ``stored_vs_recipes`` against the plain-torch reference.
+
+Counts (zero, clip and mismatch fractions, histograms), ``max_abs_err`` and ``amax`` must be
+equal. The three metrics built from float sums (rel_err, sqnr_db, cosine) may differ in the last
+digits: the reference sums fp32 products with BLAS dots in one order, the fused path in chunks of
+4096 in another (then in float64), so only summation order separates them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from analysis_ckpts import moe_weights, write_mxfp4
+
+from workbench.analysis import fused, stored_vs_recipes
+from workbench.analysis.metrics import error_metrics, grid_mismatch, scale_exponents
+from workbench.checkpoint import open_checkpoint
+from workbench.formats import dequantize, parse_recipe, quantize
+from workbench.formats.constants import E2M1_MAGNITUDES
+from workbench.formats.elements import e2m1_decode, e2m1_encode, e2m1_magnitude_code
+from workbench.formats.mx_profiles import PROFILES
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoint"))
+from oracles import heavy_tailed  # edge cases: a zero block, -0.0, ties, outliers
+
+EXACT = ("max_abs_err", "amax", "clip_frac", "zero_frac", "scale_mismatch_frac",
+         "code_mismatch_frac")
+FROM_SUMS = ("rel_err", "sqnr_db", "cosine")
+MX4 = sorted(p for p, prof in PROFILES.items() if "mxfp4" in prof.formats)
+
+
+def reference(stored, recipe):
+    w = dequantize(stored, torch.bfloat16)
+    q = quantize(w, recipe, pad=True)
+    m = error_metrics(w, dequantize(q, torch.float32), q)
+    m.update(grid_mismatch(stored, q))
+    exps, counts = torch.unique(scale_exponents(q).flatten(), return_counts=True)
+    return m, dict(zip(exps.tolist(), counts.tolist()))
+
+
+def fused_hist(res):
+    return {1000 if b == 255 else b - 127: int(res.byte_counts[b])
+            for b in res.byte_counts.nonzero().flatten().tolist()}
+
+
+def assert_same(got: dict, want: dict, what):
+    for k in EXACT:
+        assert got[k] == want[k], (what, k, got[k], want[k])
+    for k in FROM_SUMS:
+        if math.isinf(want[k]):
+            assert got[k] == want[k], (what, k)
+        else:
+            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-12), (what, k)
+
+
+def grids(stored_profile="compressed-tensors"):
+    """Stored MXFP4 grids written by several scale rules (so re-quantizing changes scales and
+    codes), with the edge cases of ``heavy_tailed``."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for enc, shape in (("even", (64, 256)), ("ceil", (32, 128)), ("floor", (96, 64)),
+                       ("triton-kernels", (16, 512))):
+        w = heavy_tailed(shape, g).bfloat16()
+        out.append(replace(quantize(w, f"mxfp4:{enc}"), profile=stored_profile))
+    return out
+
+
+@pytest.mark.parametrize("ties", fused.TIES)
+def test_round_e2m1_equals_the_reference_rounding_on_every_bf16_value(ties):
+    bits = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16)  # +0 .. largest finite
+    x = bits.view(torch.bfloat16)
+    want = torch.tensor(E2M1_MAGNITUDES)[e2m1_magnitude_code(x, ties).long()]
+    got = fused.round_e2m1(x.float(), ties)
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, (x[bad[:5]].tolist(), got[bad[:5]].tolist(), want[bad[:5]].tolist())
+
+
+def test_magnitudes_without_a_table():
+    assert fused._mag(torch.arange(8, dtype=torch.float32)).tolist() == list(E2M1_MAGNITUDES)
+
+
+@pytest.fixture
+def eager(monkeypatch):
+    """The fused function run uncompiled (same code, no compile cost): covers every profile."""
+    monkeypatch.setattr(fused, "_COMPILED", {t: fused._fused(t) for t in fused.TIES})
+    monkeypatch.setattr(fused, "COMPILE_SECONDS", dict.fromkeys(fused.TIES, 0.0))
+
+
+@pytest.mark.parametrize("stored_profile", ["compressed-tensors", "transformers"])
+def test_every_mxfp4_profile_uncompiled(eager, stored_profile):
+    gs = grids(stored_profile)
+    for name in MX4:
+        r = parse_recipe(f"mxfp4:{name}")
+        assert fused.static_reason(r, torch.device("cpu"), 1 << 30) is None, name
+        got = fused.stored_vs_recipe(gs, r)
+        for g, res in zip(gs, got):
+            want, hist = reference(g, r)
+            assert_same(res.metrics, want, (name, g.shape))
+            assert fused_hist(res) == hist, name
+
+
+def test_compiled_equals_reference():
+    gs = grids()
+    # one call for several grids of different sizes, padded to whole chunks internally
+    for name in ("rceil", "ceil", "floor", "even", "compressed-tensors"):
+        r = parse_recipe(f"mxfp4:{name}")
+        got = fused.stored_vs_recipe(gs, r)
+        assert got is not None, fused._BROKEN
+        for g, res in zip(gs, got):
+            want, hist = reference(g, r)
+            assert_same(res.metrics, want, (name, g.shape))
+            assert fused_hist(res) == hist, name
+    # the comparison must see errors and mismatches, not only lossless re-quantization
+    ceil = fused.stored_vs_recipe(gs, parse_recipe("mxfp4:ceil"))
+    assert max(x.metrics["rel_err"] for x in ceil) > 0
+    assert max(x.metrics["code_mismatch_frac"] for x in ceil) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["triton-kernels", "modelopt-export"])
+def test_compiled_other_tie_rules(name):
+    gs, r = grids(), parse_recipe(f"mxfp4:{name}")
+    for g, res in zip(gs, fused.stored_vs_recipe(gs, r)):
+        want, hist = reference(g, r)
+        assert_same(res.metrics, want, (name, g.shape))
+        assert fused_hist(res) == hist
+
+
+def test_clip_count_when_a_rule_picks_too_small_a_scale(eager):
+    """No MX rule clips a decoded MXFP4 grid, so drive the fused function with a table that
+    picks one binade too small and count clipped elements independently (E2M1 encode/decode of
+    the reference elements module)."""
+    g = grids()[0]
+    byte, s, _, _ = fused.block_tables("compressed-tensors", "rceil")
+    smaller = byte.clamp(min=2) - 1
+    lut = torch.ldexp(torch.ones(256, dtype=torch.float64), torch.arange(256) - 127).float()
+    tables = (smaller, s, s * (1 / lut)[smaller.long()], lut[smaller.long()])
+    n = g.scale.numel()
+    data = torch.cat([g.data.reshape(n, 16), torch.zeros(-n % fused.CHUNK, 16, dtype=torch.uint8)])
+    sb = torch.cat([g.scale.reshape(n), torch.full((-n % fused.CHUNK,), 127, dtype=torch.uint8)])
+    *_, part = fused._fused("even")(data.view(-1, fused.CHUNK, 16), sb.view(-1, fused.CHUNK), *tables)
+    clipped = int(torch.stack(part)[[8, 16]].sum())
+    w = dequantize(g, torch.float32).reshape(n, 32)
+    cmax = torch.stack([g.data & 7, (g.data >> 4) & 7], -1).reshape(n, 32).amax(-1).long()
+    b = smaller[cmax * 256 + g.scale.reshape(n).long()].long()  # the byte the table picks
+    v = w * torch.ldexp(torch.ones(n), 127 - b).unsqueeze(-1)
+    codes = e2m1_encode(v)
+    deq = e2m1_decode(codes) * torch.ldexp(torch.ones(n), b - 127).unsqueeze(-1)
+    want = int((((codes & 7) == 7) & (w.abs() > deq.abs())).sum())
+    assert want > 0 and clipped == want
+
+
+def _ckpt(tmp_path):
+    sd = moe_weights(layers=2, experts=4, hidden=128, ffn=64)
+    tiny = "model.layers.1.mlp.experts.2.up_proj.weight"  # scale bytes below SAFE_BYTES
+    return open_checkpoint(write_mxfp4(tmp_path / "ck", sd, "mxfp4:ceil", {tiny: 2.0**-70}))
+
+
+def test_stored_vs_recipes_fused_equals_reference(tmp_path, monkeypatch, caplog):
+    ck = _ckpt(tmp_path)
+    recipes = ["mxfp4:rceil", "mxfp4:ceil", "nvfp4:torchao"]
+    monkeypatch.setenv("WORKBENCH_ANALYSIS_FUSED", "0")
+    ref = stored_vs_recipes(ck, recipes, progress=False)
+    monkeypatch.setenv("WORKBENCH_ANALYSIS_FUSED", "1")
+    with caplog.at_level(logging.INFO, logger="workbench.analysis.fused"):
+        got = stored_vs_recipes(ck, recipes, progress=False)
+    log = caplog.text
+    assert "mxfp4:rceil: fused CPU path" in log and "nvfp4:torchao: reference path" in log
+    assert "reference path (scale bytes" in log  # the weight scaled by 2^-70
+    a, b = ref.experts, got.experts
+    assert list(a.columns) == list(b.columns) and len(a) == len(b) == 3 * len(ck.expert_records())
+    for col in a.columns:
+        if col in FROM_SUMS:
+            assert b[col].tolist() == pytest.approx(a[col].tolist(), rel=1e-5), col
+        else:
+            assert a[col].fillna(-1).tolist() == b[col].fillna(-1).tolist(), col
+    assert ref.scales.equals(got.scales)
+
+
+def test_auto_mode_leaves_small_jobs_to_the_reference(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv("WORKBENCH_ANALYSIS_FUSED", raising=False)
+    with caplog.at_level(logging.INFO, logger="workbench.analysis.fused"):
+        stored_vs_recipes(_ckpt(tmp_path), ["mxfp4:floor"], progress=False)
+    assert "mxfp4:floor: reference path (0M elements" in caplog.text
+    monkeypatch.setenv("WORKBENCH_ANALYSIS_FUSED", "yes")
+    with pytest.raises(ValueError, match="0, 1 or auto"):
+        fused.static_reason(parse_recipe("mxfp4"), torch.device("cpu"), 0)
+
+
+@pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled")
+def test_a_failed_compile_falls_back_to_the_reference(tmp_path, monkeypatch, caplog):
+    import torch._inductor.config as inductor_config
+
+    ck = _ckpt(tmp_path)
+    monkeypatch.setenv("WORKBENCH_ANALYSIS_FUSED", "0")
+    ref = stored_vs_recipes(ck, ["mxfp4:ceil"], progress=False).experts
+    monkeypatch.setenv("WORKBENCH_ANALYSIS_FUSED", "1")
+    monkeypatch.setattr(fused, "_COMPILED", {})
+    monkeypatch.setattr(fused, "COMPILE_SECONDS", {})
+    monkeypatch.setattr(fused, "_BROKEN", [])
+    torch._dynamo.reset()  # compiled code of earlier tests would be reused without compiling
+    try:
+        with inductor_config.patch({"cpp.cxx": ("/nonexistent/g++",), "force_disable_caches": True}), \
+                caplog.at_level(logging.INFO, logger="workbench.analysis.fused"):
+            got = stored_vs_recipes(ck, ["mxfp4:ceil"], progress=False).experts
+    finally:
+        torch._dynamo.reset()
+    assert "fused analysis unavailable, using the reference path" in caplog.text
+    assert fused._BROKEN and fused.static_reason(parse_recipe("mxfp4"), torch.device("cpu"),
+                                                 1 << 30).startswith("compiling failed")
+    assert got.drop(columns=list(FROM_SUMS)).equals(ref.drop(columns=list(FROM_SUMS)))

@@ -1,0 +1,252 @@
+"""The analysis hot loop of ``stored_vs_recipes``, fused into one compiled CPU pass per batch.
+
+For an MXFP4-stored weight and an MXFP4 recipe the reference (``tables.py`` + ``metrics.py``)
+decodes the grid to BF16, re-quantizes, dequantizes to fp32 and makes ~20 eager passes for the
+metrics: ~30 ns per element on 2 CPU cores. Here the same numbers come from the stored codes in
+one ``torch.compile``d function (Inductor's C++/OpenMP backend, AVX-512 where the CPU has it),
+run over a batch of weights at once so Python and OpenMP start-up are paid per batch.
+
+Why the numbers equal the reference's. A decoded element is ``m * S``, m in {0, .5, 1 ... 6},
+S = 2^(b-127). While every stored byte lies in ``SAFE_BYTES`` (S in 2^-50 .. 2^50; real weights
+sit near 2^-9 .. 2^-1) every product and difference below is an exact fp32 number, far from
+subnormals and overflow, so per element the fused values are the reference's bit for bit:
+- a block's amax is mag(largest code) * S, so its recipe scale byte depends only on (largest
+  code, stored byte): ``block_tables`` runs the reference ``scale_byte`` on all 8 x 256 pairs;
+- the scaled value x = m * S * 2^(127-byte) needs no BF16 rounding (two significant bits);
+- E2M1 rounding of x has a closed form per binade (``round_e2m1``; tested on every BF16 value);
+- magnitudes suffice: a non-zero re-quantized element keeps its stored sign, so |deq - w| and
+  w * deq are sign-free, "+0 equals -0" makes a code mismatch a magnitude mismatch, and clipping
+  (largest code while |w| > |deq| = 6 * 2^(byte-127)) is exactly x > 6.
+So counts (zero, clip, mismatch, histogram), ``max_abs_err`` and ``amax`` equal the reference's.
+The four float sums differ in summation order only: the reference takes fp32 BLAS dots (sequential
+fp32 accumulation, ~5e-5 relative off the float64 value on a 1.5M-element expert), this path sums
+fp32 per 4096 elements and then in float64 (~1e-7 off).
+
+Anything else takes the reference, with the reason logged once: other formats, tie rules without a
+closed form here, bytes outside ``SAFE_BYTES``, padded K, CUDA tensors (the reference is fast
+there), a failed compile (no C++ compiler...), or ``WORKBENCH_ANALYSIS_FUSED=0``. Compiling costs
+seconds once per process and tie rule (logged); Inductor caches the C++ on disk across runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from workbench.formats import QuantizedTensor, Recipe, format_spec
+from workbench.formats.mx_profiles import PROFILES, cached_lut, scale_byte
+
+_log = logging.getLogger(__name__)
+SAFE_BYTES = (77, 177)
+CHUNK = 256  # blocks per partial sum: 4096 elements per nibble half, fp32 counts stay exact
+BATCH_BLOCKS = 1 << 18  # blocks per compiled call (~8M elements): amortises call overhead
+# Below this many elements the reference (~30 ns each on 2 cores, so ~2 s here) is done before
+# a first compile would be (2-4 s with Inductor's disk cache warm, ~15 s cold). The environment
+# variable WORKBENCH_ANALYSIS_FUSED=1 takes the fused path at any size, =0 never.
+MIN_ELEMENTS = 1 << 26
+TIES = ("even", "away", "down")
+_MAGS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_COMPILED: dict[str, object] = {}
+COMPILE_SECONDS: dict[str, float] = {}  # first call (trace + compile, or disk-cache load) per tie rule
+_BROKEN: list[str] = []  # why compiling failed in this process; from then on: the reference
+_LOGGED: set[str] = set()
+
+
+def log_choice(recipe: str, why: str | None) -> None:
+    """Say once per (recipe, path, reason) which path the analysis takes, as qat/ste.py does."""
+    text = (f"stored grid vs {recipe}: fused CPU path (torch.compile)" if why is None else
+            f"stored grid vs {recipe}: reference path ({why})")
+    if text not in _LOGGED:
+        _LOGGED.add(text)
+        _log.info(text)
+
+
+def _mag(c: torch.Tensor) -> torch.Tensor:
+    """E2M1 magnitude of fp32 codes 0..7 (0, .5, 1, 1.5 | 2, 3 | 4, 6) by arithmetic: Inductor
+    turns a table lookup into a scalar loop."""
+    return torch.where(c < 4, c * 0.5, torch.where(c < 6, c - 2, c * 2 - 8))
+
+
+def _rint(x: torch.Tensor, ties: str) -> torch.Tensor:
+    if ties == "even":
+        return torch.round(x)  # half to even
+    if ties == "away":
+        return torch.floor(x + 0.5)  # x >= 0; exact for BF16-exact x below 2^16
+    return torch.ceil(x - 0.5)
+
+
+def round_e2m1(x: torch.Tensor, ties: str = "even") -> torch.Tensor:
+    """E2M1 magnitude nearest to BF16-exact ``x`` >= 0, saturating at 6: the grid steps by 0.5
+    below 2, by 1 below 4 and by 2 above, so each binade rounds to an integer multiple of its
+    step, ties as ``elements.e2m1_magnitude_code`` sends them."""
+    return torch.where(x < 2, _rint(x * 2, ties) * 0.5,
+                       torch.where(x < 4, _rint(x, ties),
+                                   torch.clamp_max(_rint(x * 0.5, ties) * 2, 6.0)))
+
+
+@functools.lru_cache(maxsize=32)
+def block_tables(stored_profile: str, recipe_profile: str):
+    """Per (largest magnitude code, stored byte), index ``code * 256 + byte``: the recipe's scale
+    byte, the stored scale S, S times the recipe's encode multiplier, and the recipe's decode
+    scale; all from the reference (``scale_byte`` and the profiles' tables)."""
+    spec, prof = format_spec("mxfp4"), PROFILES[recipe_profile]
+    s = cached_lut("decode", stored_profile, "cpu", torch.float32).repeat(8)
+    amax = torch.tensor(_MAGS).repeat_interleave(256) * s
+    byte = scale_byte(amax, spec, prof)
+    enc = cached_lut("encode", recipe_profile, "cpu", torch.float32)[byte.long()]
+    dec = cached_lut("decode", recipe_profile, "cpu", torch.float32)[byte.long()]
+    return byte, s, s * enc, dec
+
+
+def _fused(ties: str):
+    def analyse(data, sbyte, t_byte, t_s, t_sm, t_r):
+        # data [chunks, CHUNK, 16] packed codes, sbyte [chunks, CHUNK] stored bytes
+        cmax = torch.maximum(data & 7, (data >> 4) & 7).to(torch.float32).amax(-1)
+        idx = cmax.long() * 256 + sbyte.long()
+        byte, s, sm, r = t_byte[idx], t_s[idx], t_sm[idx], t_r[idx]
+        out = [(_mag(cmax) * s).amax(-1), (byte != sbyte).float().sum(-1)]
+        s_, sm_, r_ = s.unsqueeze(-1), sm.unsqueeze(-1), r.unsqueeze(-1)
+        for c in (data & 7, (data >> 4) & 7):  # low, high nibble (sign bits are not needed)
+            m = _mag(c.to(torch.float32))
+            w, x = m * s_, m * sm_
+            mq = round_e2m1(x, ties)
+            deq = mq * r_
+            err = deq - w
+            dims = (1, 2)  # one partial per chunk and quantity: Inductor fuses all into one loop
+            out += [(w * w).sum(dims), (err * err).sum(dims), (w * deq).sum(dims),
+                    (deq * deq).sum(dims), err.abs().amax(dims), (mq == 0).float().sum(dims),
+                    (x > 6).float().sum(dims), (mq != m).float().sum(dims)]
+        # s, sm, r are returned so that Inductor stores them once instead of re-deriving them
+        # per element; the partials stay a list (a stack in the graph splits the loop)
+        return byte, s, sm, r, out
+
+    return analyse
+
+
+class _Unavailable(Exception):
+    """Compiling failed (no C++ compiler, an Inductor error): the caller takes the reference."""
+
+
+def _run(ties: str, *args):
+    fn = _COMPILED.get(ties)
+    if fn is None:
+        fn = _COMPILED[ties] = torch.compile(_fused(ties), fullgraph=True, dynamic=False)
+    torch._dynamo.maybe_mark_dynamic(args[0], 0)  # one graph for any number of chunks
+    torch._dynamo.maybe_mark_dynamic(args[1], 0)
+    if ties in COMPILE_SECONDS:
+        return fn(*args)
+    t0 = time.perf_counter()
+    try:
+        out = fn(*args)
+    except Exception as e:  # whatever stops compiling, the reference path still works
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        _BROKEN.append(f"{type(e).__name__}: {first}"[:300])
+        _log.warning("fused analysis unavailable, using the reference path: %s", _BROKEN[0])
+        raise _Unavailable(_BROKEN[0]) from e
+    COMPILE_SECONDS[ties] = secs = time.perf_counter() - t0
+    _log.info("fused analysis pass (ties %s) ready in %.1f s (Inductor C++, cached on disk)",
+              ties, secs)
+    return out
+
+
+def static_reason(recipe: Recipe, device: torch.device, elements: int) -> str | None:
+    """Why the fused path does not serve ``recipe`` on ``device`` for a job of ``elements``
+    stored MXFP4 elements (None: it does)."""
+    mode = os.environ.get("WORKBENCH_ANALYSIS_FUSED", "auto")
+    if mode not in ("0", "1", "auto"):
+        raise ValueError(f"WORKBENCH_ANALYSIS_FUSED must be 0, 1 or auto, got {mode!r}")
+    if mode == "0":
+        return "WORKBENCH_ANALYSIS_FUSED=0"
+    if mode == "auto" and elements < MIN_ELEMENTS:
+        return (f"{elements / 1e6:.0f}M elements: the reference is done before a compile would "
+                f"be; WORKBENCH_ANALYSIS_FUSED=1 forces the fused path")
+    if _BROKEN:
+        return f"compiling failed earlier ({_BROKEN[0]})"
+    if device.type != "cpu":
+        return f"{device.type} tensors (the reference is fast there)"
+    if recipe.fmt != "mxfp4":
+        return f"recipe format {recipe.fmt} (fused path: mxfp4)"
+    prof = PROFILES[recipe.profile]
+    if prof.ties not in TIES:
+        return f"tie rule {prof.ties!r}"
+    if prof.truncated_sticky and prof.sign == "not-positive":
+        # sticky rounding acts on fp32 work values only, i.e. with ModelOpt's sign rule
+        return "sticky-bit rounding of fp32 values"
+    return None
+
+
+def grid_reason(stored: QuantizedTensor) -> str | None:
+    """Why one stored grid needs the reference (None: fused)."""
+    if stored.fmt != "mxfp4":
+        return f"stored format {stored.fmt}"
+    if stored.shape[-1] != stored.padded_k:
+        return "padded last dimension"
+    if stored.data.device.type != "cpu":
+        return f"{stored.data.device.type} tensors"
+    lo, hi = torch.aminmax(stored.scale.view(torch.uint8))
+    if int(lo) < SAFE_BYTES[0] or int(hi) > SAFE_BYTES[1]:
+        # no numbers of this weight in the text: it is logged once, not once per weight
+        return f"scale bytes outside {SAFE_BYTES[0]}..{SAFE_BYTES[1]}, i.e. 2^-50..2^50"
+    return None
+
+
+@dataclass(frozen=True)
+class FusedResult:
+    metrics: dict[str, float]  # error_metrics + grid_mismatch keys, as the reference
+    byte_counts: torch.Tensor  # [256] int64: blocks per recipe E8M0 byte
+
+
+def _frac32(count: int, n: int) -> float:
+    # what the reference's `bool_tensor.float().mean()` gives: an exact fp32 count over n, in fp32
+    return float(torch.tensor(float(count), dtype=torch.float32) / n)
+
+
+def stored_vs_recipe(grids: list[QuantizedTensor], recipe: Recipe) -> list[FusedResult] | None:
+    """The reference's metrics for each stored grid (``grid_reason`` None) re-quantized with
+    ``recipe``, in one compiled call; None when compiling fails (logged; take the reference)."""
+    from .metrics import metrics_from_sums
+
+    prof = PROFILES[recipe.profile]
+    nblk = [g.scale.numel() for g in grids]
+    chunks = [-(-n // CHUNK) for n in nblk]
+    total = max(sum(chunks), 2)  # dynamo specialises a dim of size 1: never pass one chunk
+    # one zero-padded buffer: padding blocks are all-zero codes under a safe byte, so they add
+    # nothing but zero codes and scale mismatches, both subtracted below
+    data = torch.zeros(total * CHUNK, 16, dtype=torch.uint8)
+    sbyte = torch.full((total * CHUNK,), 127, dtype=torch.uint8)
+    starts = [0]
+    for g, n, c in zip(grids, nblk, chunks):
+        data[starts[-1]:starts[-1] + n] = g.data.reshape(n, 16)
+        sbyte[starts[-1]:starts[-1] + n] = g.scale.view(torch.uint8).reshape(n)
+        starts.append(starts[-1] + c * CHUNK)
+    tables = block_tables(grids[0].profile, prof.name)
+    if any(g.profile != grids[0].profile for g in grids):
+        raise ValueError("one batch, one stored profile")
+    try:
+        byte, _, _, _, part = _run(prof.ties, data.view(total, CHUNK, 16),
+                                   sbyte.view(total, CHUNK), *tables)
+    except _Unavailable:
+        return None
+    part = torch.stack(part)
+    out = []
+    for i, (n, c) in enumerate(zip(nblk, chunks)):
+        c0 = starts[i] // CHUNK
+        p = part[:, c0:c0 + c].double().sum(1).tolist()  # float64 across chunks
+        mx = part[:, c0:c0 + c].amax(1).tolist()
+        lo, hi = p[2:10], p[10:18]
+        pad = c * CHUNK - n
+        elems = n * 32
+        clipped, zeros, mism = lo[6] + hi[6], lo[5] + hi[5] - 32 * pad, lo[7] + hi[7]
+        m = metrics_from_sums(lo[0] + hi[0], lo[1] + hi[1], lo[2] + hi[2], lo[3] + hi[3],
+                              max(mx[6], mx[14]), mx[0], clip_frac=_frac32(int(clipped), elems),
+                              zero_frac=int(zeros) / elems)
+        m["scale_mismatch_frac"] = _frac32(int(p[1]) - pad, n)
+        m["code_mismatch_frac"] = int(mism) / elems
+        out.append(FusedResult(m, torch.bincount(byte.view(-1)[starts[i]:starts[i] + n],
+                                                 minlength=256)))
+    return out
