@@ -144,7 +144,8 @@ def test_clip_count_when_a_rule_picks_too_small_a_scale(eager):
     n = g.scale.numel()
     data = torch.cat([g.data.reshape(n, 16), torch.zeros(-n % fused.CHUNK, 16, dtype=torch.uint8)])
     sb = torch.cat([g.scale.reshape(n), torch.full((-n % fused.CHUNK,), 127, dtype=torch.uint8)])
-    *_, part = fused._fused("even")(data.view(-1, fused.CHUNK, 16), sb.view(-1, fused.CHUNK), *tables)
+    *_, part = fused._fused("even")(data.view(-1, fused.CHUNK, 16), sb.view(-1, fused.CHUNK),
+                                    *tables)
     clipped = int(torch.stack(part)[[8, 16]].sum())
     w = dequantize(g, torch.float32).reshape(n, 32)
     cmax = torch.stack([g.data & 7, (g.data >> 4) & 7], -1).reshape(n, 32).amax(-1).long()

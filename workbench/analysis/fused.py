@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -45,10 +46,12 @@ _log = logging.getLogger(__name__)
 SAFE_BYTES = (77, 177)
 CHUNK = 256  # blocks per partial sum: 4096 elements per nibble half, fp32 counts stay exact
 BATCH_BLOCKS = 1 << 18  # blocks per compiled call (~8M elements): amortises call overhead
-# Below this many elements the reference (~30 ns each on 2 cores, so ~2 s here) is done before
-# a first compile would be (2-4 s with Inductor's disk cache warm, ~15 s cold). The environment
-# variable WORKBENCH_ANALYSIS_FUSED=1 takes the fused path at any size, =0 never.
-MIN_ELEMENTS = 1 << 26
+# A process's first fused call pays ~3 s of torch.compile imports and set-up plus the compile:
+# ~4 s more with Inductor's disk cache warm, ~20 s into an empty cache (measured on 2 cores by
+# jobs/bench_analysis.py). The reference costs ~30 ns per element there, so below this size
+# (~8 s of reference work) it is left to the reference. WORKBENCH_ANALYSIS_FUSED=1 takes the
+# fused path at any size, =0 never.
+MIN_ELEMENTS = 1 << 28
 TIES = ("even", "away", "down")
 _MAGS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _COMPILED: dict[str, object] = {}
@@ -105,7 +108,9 @@ def block_tables(stored_profile: str, recipe_profile: str):
 
 def _fused(ties: str):
     def analyse(data, sbyte, t_byte, t_s, t_sm, t_r):
-        # data [chunks, CHUNK, 16] packed codes, sbyte [chunks, CHUNK] stored bytes
+        # data [chunks, CHUNK, 16] packed codes, sbyte [chunks, CHUNK] stored bytes. (Blocks in
+        # the vector lanes, i.e. data transposed, runs this ~15% faster but the transposing copy
+        # costs more than that.)
         cmax = torch.maximum(data & 7, (data >> 4) & 7).to(torch.float32).amax(-1)
         idx = cmax.long() * 256 + sbyte.long()
         byte, s, sm, r = t_byte[idx], t_s[idx], t_sm[idx], t_r[idx]
@@ -201,52 +206,76 @@ class FusedResult:
     byte_counts: torch.Tensor  # [256] int64: blocks per recipe E8M0 byte
 
 
-def _frac32(count: int, n: int) -> float:
+_LOCAL = threading.local()
+
+
+def _buffers(chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch buffers (codes [chunks, CHUNK, 16], stored bytes [chunks, CHUNK]), grown as needed
+    and kept per thread: fresh ones would cost a page fault per 4 KiB on every call."""
+    have = getattr(_LOCAL, "bufs", None)
+    if have is None or have[1].shape[0] < chunks:
+        _LOCAL.bufs = have = (torch.empty(chunks, CHUNK, 16, dtype=torch.uint8),
+                              torch.empty(chunks, CHUNK, dtype=torch.uint8))
+    return have[0][:chunks], have[1][:chunks]
+
+
+def _frac32(counts: list[float], n: list[int]) -> list[float]:
     # what the reference's `bool_tensor.float().mean()` gives: an exact fp32 count over n, in fp32
-    return float(torch.tensor(float(count), dtype=torch.float32) / n)
+    f32 = torch.float32
+    return (torch.tensor(counts, dtype=f32) / torch.tensor(n, dtype=f32)).tolist()
 
 
 def stored_vs_recipe(grids: list[QuantizedTensor], recipe: Recipe) -> list[FusedResult] | None:
-    """The reference's metrics for each stored grid (``grid_reason`` None) re-quantized with
-    ``recipe``, in one compiled call; None when compiling fails (logged; take the reference)."""
+    """The reference's metrics for each stored grid (``grid_reason`` None, one stored profile)
+    re-quantized with ``recipe``, in one compiled call; None when compiling fails (logged)."""
     from .metrics import metrics_from_sums
 
-    prof = PROFILES[recipe.profile]
+    if any(g.profile != grids[0].profile for g in grids):
+        raise ValueError("one call, one stored profile: the decode table is per profile")
+    prof, nw = PROFILES[recipe.profile], len(grids)
     nblk = [g.scale.numel() for g in grids]
     chunks = [-(-n // CHUNK) for n in nblk]
     total = max(sum(chunks), 2)  # dynamo specialises a dim of size 1: never pass one chunk
-    # one zero-padded buffer: padding blocks are all-zero codes under a safe byte, so they add
-    # nothing but zero codes and scale mismatches, both subtracted below
-    data = torch.zeros(total * CHUNK, 16, dtype=torch.uint8)
-    sbyte = torch.full((total * CHUNK,), 127, dtype=torch.uint8)
-    starts = [0]
+    # all grids in one buffer, whole chunks each; padding blocks are all-zero codes under a
+    # safe byte: they add nothing but zero codes and scale mismatches, subtracted below
+    data, sbyte = _buffers(total)
+    flat, flat_s = data.view(-1, 16), sbyte.view(-1)
+    c0 = 0
     for g, n, c in zip(grids, nblk, chunks):
-        data[starts[-1]:starts[-1] + n] = g.data.reshape(n, 16)
-        sbyte[starts[-1]:starts[-1] + n] = g.scale.view(torch.uint8).reshape(n)
-        starts.append(starts[-1] + c * CHUNK)
-    tables = block_tables(grids[0].profile, prof.name)
-    if any(g.profile != grids[0].profile for g in grids):
-        raise ValueError("one batch, one stored profile")
+        a = c0 * CHUNK
+        flat[a:a + n] = g.data.reshape(n, 16)
+        flat_s[a:a + n] = g.scale.view(torch.uint8).reshape(n)
+        flat[a + n:a + c * CHUNK] = 0
+        flat_s[a + n:a + c * CHUNK] = 127
+        c0 += c
+    data[c0:] = 0
+    sbyte[c0:] = 127
     try:
-        byte, _, _, _, part = _run(prof.ties, data.view(total, CHUNK, 16),
-                                   sbyte.view(total, CHUNK), *tables)
+        byte, _, _, _, part = _run(prof.ties, data, sbyte,
+                                   *block_tables(grids[0].profile, prof.name))
     except _Unavailable:
         return None
-    part = torch.stack(part)
+    part = torch.stack(part).T  # [chunks, 18]: amax, scale mismatches, then 8 per nibble half
+    spare = total - c0  # the chunk added to reach two, owned by no weight
+    chunk_owner = torch.repeat_interleave(torch.arange(nw + 1), torch.tensor([*chunks, spare]))
+    sums = torch.zeros(nw + 1, 18, dtype=torch.float64).index_add_(0, chunk_owner, part.double())
+    maxs = torch.zeros(nw + 1, 18).scatter_reduce_(0, chunk_owner[:, None].expand(-1, 18), part,
+                                                   "amax")  # every maximum here is >= 0
+    starts = [0, *torch.tensor(chunks).cumsum(0).mul(CHUNK).tolist()]
+    byte = byte.view(-1)
+    pad = [c * CHUNK - n for n, c in zip(nblk, chunks)]
+    elems = [n * 32 for n in nblk]
+    sums, maxs = sums.tolist(), maxs.tolist()
+    lo_hi = [(s_[2:10], s_[10:18]) for s_ in sums]
+    clip = _frac32([lo[6] + hi[6] for lo, hi in lo_hi[:nw]], elems)
+    smis = _frac32([sums[i][1] - pad[i] for i in range(nw)], nblk)
     out = []
-    for i, (n, c) in enumerate(zip(nblk, chunks)):
-        c0 = starts[i] // CHUNK
-        p = part[:, c0:c0 + c].double().sum(1).tolist()  # float64 across chunks
-        mx = part[:, c0:c0 + c].amax(1).tolist()
-        lo, hi = p[2:10], p[10:18]
-        pad = c * CHUNK - n
-        elems = n * 32
-        clipped, zeros, mism = lo[6] + hi[6], lo[5] + hi[5] - 32 * pad, lo[7] + hi[7]
+    for i, (lo, hi) in enumerate(lo_hi[:nw]):
         m = metrics_from_sums(lo[0] + hi[0], lo[1] + hi[1], lo[2] + hi[2], lo[3] + hi[3],
-                              max(mx[6], mx[14]), mx[0], clip_frac=_frac32(int(clipped), elems),
-                              zero_frac=int(zeros) / elems)
-        m["scale_mismatch_frac"] = _frac32(int(p[1]) - pad, n)
-        m["code_mismatch_frac"] = int(mism) / elems
-        out.append(FusedResult(m, torch.bincount(byte.view(-1)[starts[i]:starts[i] + n],
-                                                 minlength=256)))
+                              max(maxs[i][6], maxs[i][14]), maxs[i][0], clip_frac=clip[i],
+                              zero_frac=int(lo[5] + hi[5] - 32 * pad[i]) / elems[i])
+        m["scale_mismatch_frac"] = smis[i]
+        m["code_mismatch_frac"] = int(lo[7] + hi[7]) / elems[i]
+        counts = torch.bincount(byte[starts[i]:starts[i] + nblk[i]], minlength=256)
+        out.append(FusedResult(m, counts))
     return out
