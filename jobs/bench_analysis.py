@@ -188,8 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.cold_compile:
         import tempfile
 
-        env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="wb-inductor-")
-    wb = _in_child(_workbench_pass, str(path), env)
+        with tempfile.TemporaryDirectory(prefix="wb-inductor-") as cache:
+            wb = _in_child(_workbench_pass, str(path), {**env, "TORCHINDUCTOR_CACHE_DIR": cache})
+    else:
+        wb = _in_child(_workbench_pass, str(path), env)
     first, second = wb["passes"]
     compiled = sum(wb["compile_s"].values())
     rows.append((f"stored_vs_recipes, 1st call in process [{compiled:.1f} s compile]",
