@@ -9,9 +9,9 @@ codec under torch.compile, and the Triton kernel (workbench.kernels). Columns: m
 (triton.testing.do_bench), GB/s counting one bf16 read and one bf16 write, fraction of the copy
 rate, speedup over torchao compiled. NVFP4 rows include the global-amax pass (one more read),
 except "amax given"; the "per-expert" rows take one global per leading index (the QAT weight
-path): the amax pass then the quantize pass in launch order, and
-``kernels.fake_quantize_experts``, whose quantize pass runs its tiles in reverse (starting on
-what the amax pass left in L2).
+path): the amax pass then the quantize pass (two launches), and
+``kernels.fake_quantize_experts``, one launch interleaving expert e+1's amax with expert e's
+quantization (small experts are re-read from L2).
 """
 
 from __future__ import annotations
@@ -68,14 +68,17 @@ def _bench(fn, x) -> float | None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="8x4096x6144,128x768x2048,8x3072x3584")
+    # the issue's shape; Qwen3-30B-A3B's 128 experts (3 MB each); K3-like layer experts (22 MB);
+    # 16 DeepSeek-V3-sized experts (29 MB)
+    ap.add_argument("--shapes", default="8x4096x6144,128x768x2048,8x3072x3584,16x2048x7168")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     ap.add_argument("--all-rows", action="store_true",
                     help="torchao eager and the compiled rows on every shape (default: the first "
                          "shape only; each compile costs tens of seconds)")
     ap.add_argument("--sweep", action="store_true",
-                    help="first shape: NVFP4 (amax given) tiles x warps, to tune the launch")
+                    help="first shape: NVFP4 (amax given) tiles x warps; every shape: the "
+                         "one-launch per-expert kernel's tiles x amax chunks")
     ap.add_argument("--ncu-target", action="store_true",
                     help="run each Triton fake quant of the first shape 3 times, untimed (for "
                          "ncu --kernel-name ... to profile)")
@@ -97,12 +100,13 @@ def main(argv=None) -> None:
           f"{'vs ao.c':>9}")
     for si, text in enumerate(args.shapes.split(",")):
         _shape_rows(text, args.formats.split(","), full=si == 0 or args.all_rows,
-                    compile_rows=not args.no_compile, sweep=args.sweep and si == 0)
+                    compile_rows=not args.no_compile, sweep=args.sweep and si == 0,
+                    experts_sweep=args.sweep)
         torch.cuda.empty_cache()
 
 
 def _shape_rows(text: str, formats: list[str], *, full: bool, compile_rows: bool,
-                sweep: bool) -> None:
+                sweep: bool, experts_sweep: bool) -> None:
     """Every row of one shape; ``full`` adds torchao eager and the compiled rows."""
     from workbench import formats as F
     from workbench import kernels as K
@@ -149,7 +153,9 @@ def _shape_rows(text: str, formats: list[str], *, full: bool, compile_rows: bool
             if sweep:
                 _sweep_rows(x, amax, row, ao_c_ms)
             fqe = functools.partial(K.fake_quantize_experts, fmt="nvfp4")
-            row(fmt, "per-expert, reversed", _bench(fqe, x), ao_c_ms)
+            row(fmt, "per-expert, 1 launch", _bench(fqe, x), ao_c_ms)
+            if experts_sweep:
+                _experts_sweep_rows(x, row, ao_c_ms)
 
 
 def _sweep_rows(x, amax, row, ao_c_ms) -> None:
@@ -171,6 +177,19 @@ def _sweep_rows(x, amax, row, ao_c_ms) -> None:
             ms = _bench(fq, x)
             regs = f" r{handle[0].n_regs}s{handle[0].n_spills}" if handle else ""
             row("nvfp4", f"NB{nb} w{warps}{regs}", ms, ao_c_ms)
+
+
+def _experts_sweep_rows(x, row, ao_c_ms) -> None:
+    """The one-launch per-expert kernel over quantize tiles x tiles per amax chunk."""
+    from workbench import kernels as K
+    from workbench.formats import parse_recipe
+
+    recipe = parse_recipe("nvfp4")
+    for nb in (64, 128):
+        for ct in (4, 8, 16):
+            fq = functools.partial(K.api._launch_nvfp4_experts, recipe=recipe, nb=nb,
+                                   chunk_tiles=ct)
+            row("nvfp4", f"1 launch NB{nb} c{ct}", _bench(fq, x), ao_c_ms)
 
 
 def _ncu_target(text: str, formats: list[str]) -> None:

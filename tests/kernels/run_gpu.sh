@@ -18,9 +18,11 @@ if [[ $STAGES == *tests* ]]; then
   # every GPU test of the suite plus the kernel tests; no -x, so one failure hides no other
   timeout 200 python3 -m pytest tests/kernels tests/formats/test_nvfp4_gpu.py tests/model/test_model_gpu.py \
     -q -rfE -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -30
+  # a kernel that hangs would hang every later stage too
+  [ "${PIPESTATUS[0]}" = 124 ] && { echo "tests timed out: later stages skipped"; exit 124; }
 fi
 if [[ $STAGES == *qdq* ]]; then
-  timeout 200 python3 jobs/bench_qdq.py ${QDQ_ARGS:-} 2>&1 | tee "$OUT/bench_qdq.log"
+  timeout 240 python3 jobs/bench_qdq.py ${QDQ_ARGS:-} 2>&1 | tee "$OUT/bench_qdq.log"
 fi
 if [[ $STAGES == *ncu* ]]; then
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -29,8 +31,8 @@ if [[ $STAGES == *ncu* ]]; then
     M=$M,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed
     M=$M,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active
     M=$M,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active
-    timeout 150 "$NCU" --clock-control none --kernel-name "regex:nvfp4_kernel|mx_kernel|amax_kernel" \
-      --launch-count 21 --metrics "$M" --print-units base --csv python3 jobs/bench_qdq.py --ncu-target \
+    timeout 150 "$NCU" --clock-control none --kernel-name "regex:nvfp4_kernel|mx_kernel|amax_kernel|nvfp4_experts" \
+      --launch-count 18 --metrics "$M" --print-units base --csv python3 jobs/bench_qdq.py --ncu-target \
       --shapes 8x4096x6144 > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
     python3 - "$OUT/ncu.csv" <<'EOF' 2>&1 | tee "$OUT/ncu_table.txt"
 import csv, sys
