@@ -126,8 +126,11 @@ def test_fake_quantize_experts_equals_amax_then_quantize(profile, device, monkey
     # per expert; 30 blocks per expert end in a partial tile; 40 blocks (3 tiles, 2 chunks)
     # leave a ticket with no tile; one expert alone has no interleaved region
     monkeypatch.setattr(K.api, "_INTERPRET_MAX_NB", 16)
-    for x in (_expert_stack(seed=9), gaussian((3, 10, 48), seed=10),
-              gaussian((2, 5, 128), seed=12), gaussian((1, 8, 64), seed=13)):
+    cases = [_expert_stack(seed=9), gaussian((3, 10, 48), seed=10),
+             gaussian((2, 5, 128), seed=12), gaussian((1, 8, 64), seed=13)]
+    if device == "cuda":  # the GPU's tiles: 8 amax chunks of 8 tiles per expert
+        cases.append(gaussian((6, 256, 512), seed=14) * torch.arange(1, 7).view(6, 1, 1))
+    for x in cases:
         amax = x.abs().amax(dim=(-2, -1), keepdim=True).float()
         want = F.fake_quantize(x, "nvfp4", profile, global_amax=amax)
         got = K.fake_quantize_experts(x.to(device), "nvfp4", profile)
