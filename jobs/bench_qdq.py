@@ -190,6 +190,8 @@ def _experts_sweep_rows(x, row, ao_c_ms) -> None:
             fq = functools.partial(K.api._launch_nvfp4_experts, recipe=recipe, nb=nb,
                                    chunk_tiles=ct)
             row("nvfp4", f"1 launch NB{nb} c{ct}", _bench(fq, x), ao_c_ms)
+    fq = functools.partial(K.api._launch_nvfp4_experts, recipe=recipe, ticket=True)
+    row("nvfp4", "1 launch, tickets", _bench(fq, x), ao_c_ms)
 
 
 def _ncu_target(text: str, formats: list[str]) -> None:

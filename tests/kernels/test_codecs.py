@@ -135,6 +135,10 @@ def test_fake_quantize_experts_equals_amax_then_quantize(profile, device, monkey
         want = F.fake_quantize(x, "nvfp4", profile, global_amax=amax)
         got = K.fake_quantize_experts(x.to(device), "nvfp4", profile)
         assert_same_bits(got.cpu(), want, f"nvfp4:{profile} {tuple(x.shape)}")
+        # the same schedule with atomic tickets instead of program ids
+        got = K.api._launch_nvfp4_experts(x.to(device), F.parse_recipe("nvfp4", profile),
+                                          ticket=True)
+        assert_same_bits(got.cpu(), want, f"nvfp4:{profile} {tuple(x.shape)} tickets")
     # no global scale in MX: the same as fake_quantize
     y = gaussian((2, 8, 64), seed=11)
     assert_same_bits(K.fake_quantize_experts(y.to(device), "mxfp4").cpu(),

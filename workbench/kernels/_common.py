@@ -141,7 +141,7 @@ def e2m1_round_value(v):
 
 @triton.jit
 def store_rounded(ptr, y, mask, BF16_BITS: tl.constexpr, HW: tl.constexpr,
-                  EVICT: tl.constexpr = ""):
+                  EVICT: tl.constexpr):
     """Store fp32 ``y`` in ``ptr``'s dtype. bf16 outputs go out as int16 bits: on a GPU the
     cvt.rn cast, under the interpreter (whose bf16 cast truncates and flushes subnormals) the
     same round-to-nearest-even done on the integer bits. ``EVICT``: the L2 eviction hint."""
@@ -158,10 +158,11 @@ def store_rounded(ptr, y, mask, BF16_BITS: tl.constexpr, HW: tl.constexpr,
 
 
 @triton.jit
-def load_f32(ptr, idx, mask, BF16_BITS: tl.constexpr, EVICT: tl.constexpr = ""):
+def load_f32(ptr, idx, mask, BF16_BITS: tl.constexpr, EVICT: tl.constexpr):
     """Load as fp32. bf16 comes in as int16 bits and is widened by a shift: exact for
     subnormals and NaN payloads on every backend (the interpreter flushes bf16 subnormals).
-    ``EVICT``: the L2 eviction hint ("evict_last" for data read again soon)."""
+    ``EVICT``: the L2 eviction hint ("" for none, "evict_last" for data read again
+    soon; passed explicitly: Triton 3.6 rejects a constexpr default in a called function)."""
     if BF16_BITS:
         raw = tl.load(ptr + idx, mask=mask, other=0, eviction_policy=EVICT).to(tl.int32)
         return (raw << 16).to(tl.float32, bitcast=True)  # the int16 was sign-extended

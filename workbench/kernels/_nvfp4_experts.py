@@ -5,9 +5,11 @@ twice from DRAM: 2/3 of the copy rate at best. Here one grid interleaves the ama
 expert e+1 with the quantize tiles of expert e, so a tile is re-read soon after its amax
 chunk was read: from L2 when an expert is small enough (NOTES.md has the measurement).
 
-Work items are taken in ticket order (an atomic counter), not by program id: an item only ever
-waits for items with smaller tickets, which belong to programs already running, so the waits
-cannot deadlock however the hardware schedules programs (the rule of decoupled look-back).
+Work items are taken in ticket order, and an item only ever waits for items with smaller
+tickets. The ticket is the program id: GPUs dispatch programs in increasing id order, so every
+item waited for belongs to a program already running (the forward-progress assumption of
+CUB's decoupled look-back scan). ``TICKET`` takes it from an atomic counter instead, which
+needs no such assumption; measured far slower (one same-address atomic per 4 KB tile, NOTES.md).
 
 Ticket order, with C amax chunks per expert (a chunk is CHUNK_TILES quantize tiles):
 ``[A(0, 0..C)] [A(1,0) Q(0, 8 tiles) A(1,1) Q(0, ...) ...] ... [Q(E-1, all tiles)]``, the
@@ -15,7 +17,7 @@ quantize tiles of each expert in reverse (the chunk read last is re-read first).
 
 ``sync`` (int32, zeroed): ``[0, E)`` the amax bits per expert (an integer max of magnitude bits,
 as ``_nvfp4_kernel.amax_kernel``), ``[E, 2E)`` amax chunks finished per expert, ``[2E]`` the
-ticket counter.
+ticket counter (``TICKET`` only).
 """
 
 from __future__ import annotations
@@ -31,10 +33,14 @@ from ._nvfp4_kernel import _globals, fake_tile
 def nvfp4_experts_fake_kernel(x_ptr, out_ptr, sync_ptr, n_experts, bpe, n_chunks,
                               NB: tl.constexpr, CHUNK_TILES: tl.constexpr,
                               PROFILE: tl.constexpr, BF16_BITS: tl.constexpr,
-                              HW: tl.constexpr, IGNORE_NAN: tl.constexpr):
+                              HW: tl.constexpr, IGNORE_NAN: tl.constexpr,
+                              TICKET: tl.constexpr):
     BLOCK: tl.constexpr = 16
     GROUP: tl.constexpr = CHUNK_TILES + 1  # one amax chunk, then CHUNK_TILES quantize tiles
-    t = tl.atomic_add(sync_ptr + 2 * n_experts, 1)  # this program's ticket
+    if TICKET:
+        t = tl.atomic_add(sync_ptr + 2 * n_experts, 1)
+    else:
+        t = tl.program_id(0)
     span = GROUP * n_chunks  # tickets per middle region
     k = t - n_chunks
     region = k // span

@@ -46,7 +46,7 @@ def amax_kernel(x_ptr, amax_bits_ptr, n_per_expert, BLOCK: tl.constexpr,
     e = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_per_expert
-    x = load_f32(x_ptr, e * n_per_expert + offs, mask, BF16_BITS)
+    x = load_f32(x_ptr, e * n_per_expert + offs, mask, BF16_BITS, "")
     # integer max of the magnitude bits: NaN (bits above inf) wins with its payload, as
     # torch's x.abs().amax() on the CPU returns it; zeroed first when NaN is skipped (TE).
     # Non-negative floats order like their bits, so the atomic max is order-independent.
@@ -68,7 +68,7 @@ def nvfp4_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, n_blocks, blocks_per_exper
     bmask = blk < n_blocks
     idx = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = bmask[:, None]
-    x = load_f32(x_ptr, idx, mask, BF16_BITS)
+    x = load_f32(x_ptr, idx, mask, BF16_BITS, "")
     if UNIFORM:
         amax = tl.load(amax_ptr + blk0 // blocks_per_expert)
     else:
@@ -80,7 +80,7 @@ def nvfp4_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, n_blocks, blocks_per_exper
 
     if FAKE:
         y = fake_tile(x, m, bmax, amax, ga, gb, gc, PROFILE)
-        store_rounded(out_ptr + idx, y, mask, BF16_BITS, HW)
+        store_rounded(out_ptr + idx, y, mask, BF16_BITS, HW, "")
     else:
         sf, f, _ = _chain_exact(m, bmax, amax, ga, gb, gc, PROFILE)
         code = _codes(x, x * f[:, None], f, PROFILE)

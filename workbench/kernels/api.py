@@ -219,9 +219,9 @@ def fake_quantize_experts(x: torch.Tensor, fmt, profile: str | None = None) -> t
 
 
 def _launch_nvfp4_experts(x, recipe, nb: int | None = None, chunk_tiles: int | None = None,
-                          num_warps: int = 4) -> torch.Tensor:
-    """``nb`` blocks per quantize tile, ``chunk_tiles`` tiles per amax chunk (powers of two;
-    jobs/bench_qdq.py --sweep tunes them)."""
+                          num_warps: int = 4, ticket: bool = False) -> torch.Tensor:
+    """``nb`` blocks per quantize tile, ``chunk_tiles`` tiles per amax chunk (powers of two),
+    ``ticket``: atomic tickets instead of program ids (jobs/bench_qdq.py --sweep tunes them)."""
     nvx = _triton()[2]
     n_exp = x.shape[0]
     bpe = x.numel() // 16 // n_exp
@@ -235,7 +235,7 @@ def _launch_nvfp4_experts(x, recipe, nb: int | None = None, chunk_tiles: int | N
     nvx.nvfp4_experts_fake_kernel[(nvx.grid_size(n_exp, n_chunks, ct),)](
         _bits(x), _bits(out), sync, n_exp, bpe, n_chunks, NB=nb, CHUNK_TILES=ct,
         PROFILE={"torchao": 0, "te": 1}[recipe.profile], BF16_BITS=x.dtype == torch.bfloat16,
-        HW=not _interpret(), IGNORE_NAN=False, num_warps=num_warps)
+        HW=not _interpret(), IGNORE_NAN=False, TICKET=ticket, num_warps=num_warps)
     return out
 
 
