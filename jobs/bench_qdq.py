@@ -8,10 +8,8 @@ a one-pass fake quant), torchao 0.18 QDQ eager and under torch.compile, the work
 codec under torch.compile, and the Triton kernel (workbench.kernels). Columns: median ms
 (triton.testing.do_bench), GB/s counting one bf16 read and one bf16 write, fraction of the copy
 rate, speedup over torchao compiled. NVFP4 rows include the global-amax pass (one more read),
-except "amax given"; the "per-expert" rows take one global per leading index (the QAT weight
-path): the amax pass then the quantize pass (two launches), and
-``kernels.fake_quantize_experts``, one launch interleaving expert e+1's amax with expert e's
-quantization (small experts are re-read from L2).
+except "amax given"; the "per-expert" row takes one global per leading index (the QAT weight
+path, ``kernels.fake_quantize_experts``: an amax pass, then the quantize pass).
 """
 
 from __future__ import annotations
@@ -77,8 +75,7 @@ def main(argv=None) -> None:
                     help="torchao eager and the compiled rows on every shape (default: the first "
                          "shape only; each compile costs tens of seconds)")
     ap.add_argument("--sweep", action="store_true",
-                    help="first shape: NVFP4 (amax given) tiles x warps; every shape: the "
-                         "one-launch per-expert kernel's tiles x amax chunks")
+                    help="first shape: NVFP4 (amax given) tiles x warps, to tune the launch")
     ap.add_argument("--ncu-target", action="store_true",
                     help="run each Triton fake quant of the first shape 3 times, untimed (for "
                          "ncu --kernel-name ... to profile)")
@@ -100,13 +97,12 @@ def main(argv=None) -> None:
           f"{'vs ao.c':>9}")
     for si, text in enumerate(args.shapes.split(",")):
         _shape_rows(text, args.formats.split(","), full=si == 0 or args.all_rows,
-                    compile_rows=not args.no_compile, sweep=args.sweep and si == 0,
-                    experts_sweep=args.sweep)
+                    compile_rows=not args.no_compile, sweep=args.sweep and si == 0)
         torch.cuda.empty_cache()
 
 
 def _shape_rows(text: str, formats: list[str], *, full: bool, compile_rows: bool,
-                sweep: bool, experts_sweep: bool) -> None:
+                sweep: bool) -> None:
     """Every row of one shape; ``full`` adds torchao eager and the compiled rows."""
     from workbench import formats as F
     from workbench import kernels as K
@@ -146,16 +142,10 @@ def _shape_rows(text: str, formats: list[str], *, full: bool, compile_rows: bool
             fq = functools.partial(K.fake_quantize, fmt="nvfp4", global_amax=amax)
             row(fmt, "triton, amax given", _bench(fq, x), ao_c_ms)
             # the QAT weight path: one global per expert (leading index)
-            def two_pass(t):
-                a = K.global_amax(t, per_leading=True, ignore_nan=False)
-                return K.fake_quantize(t, "nvfp4", global_amax=a)
-            row(fmt, "per-expert, 2 passes", _bench(two_pass, x), ao_c_ms)
+            fqe = functools.partial(K.fake_quantize_experts, fmt="nvfp4")
+            row(fmt, "per-expert", _bench(fqe, x), ao_c_ms)
             if sweep:
                 _sweep_rows(x, amax, row, ao_c_ms)
-            fqe = functools.partial(K.fake_quantize_experts, fmt="nvfp4")
-            row(fmt, "per-expert, 1 launch", _bench(fqe, x), ao_c_ms)
-            if experts_sweep:
-                _experts_sweep_rows(x, row, ao_c_ms)
 
 
 def _sweep_rows(x, amax, row, ao_c_ms) -> None:
@@ -177,21 +167,6 @@ def _sweep_rows(x, amax, row, ao_c_ms) -> None:
             ms = _bench(fq, x)
             regs = f" r{handle[0].n_regs}s{handle[0].n_spills}" if handle else ""
             row("nvfp4", f"NB{nb} w{warps}{regs}", ms, ao_c_ms)
-
-
-def _experts_sweep_rows(x, row, ao_c_ms) -> None:
-    """The one-launch per-expert kernel over quantize tiles x tiles per amax chunk."""
-    from workbench import kernels as K
-    from workbench.formats import parse_recipe
-
-    recipe = parse_recipe("nvfp4")
-    for nb in (64, 128):
-        for ct in (4, 8, 16):
-            fq = functools.partial(K.api._launch_nvfp4_experts, recipe=recipe, nb=nb,
-                                   chunk_tiles=ct)
-            row("nvfp4", f"1 launch NB{nb} c{ct}", _bench(fq, x), ao_c_ms)
-    fq = functools.partial(K.api._launch_nvfp4_experts, recipe=recipe, ticket=True)
-    row("nvfp4", "1 launch, tickets", _bench(fq, x), ao_c_ms)
 
 
 def _ncu_target(text: str, formats: list[str]) -> None:

@@ -31,8 +31,8 @@ if [[ $STAGES == *ncu* ]]; then
     M=$M,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed
     M=$M,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active
     M=$M,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active
-    timeout 150 "$NCU" --clock-control none --kernel-name "regex:nvfp4_kernel|mx_kernel|amax_kernel|nvfp4_experts" \
-      --launch-count 18 --metrics "$M" --print-units base --csv python3 jobs/bench_qdq.py --ncu-target \
+    timeout 150 "$NCU" --clock-control none --kernel-name "regex:nvfp4_kernel|mx_kernel|amax_kernel" \
+      --launch-count 21 --metrics "$M" --print-units base --csv python3 jobs/bench_qdq.py --ncu-target \
       --shapes 8x4096x6144 > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
     python3 - "$OUT/ncu.csv" <<'EOF' 2>&1 | tee "$OUT/ncu_table.txt"
 import csv, sys

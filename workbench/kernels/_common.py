@@ -140,30 +140,26 @@ def e2m1_round_value(v):
 
 
 @triton.jit
-def store_rounded(ptr, y, mask, BF16_BITS: tl.constexpr, HW: tl.constexpr,
-                  EVICT: tl.constexpr):
+def store_rounded(ptr, y, mask, BF16_BITS: tl.constexpr, HW: tl.constexpr):
     """Store fp32 ``y`` in ``ptr``'s dtype. bf16 outputs go out as int16 bits: on a GPU the
     cvt.rn cast, under the interpreter (whose bf16 cast truncates and flushes subnormals) the
-    same round-to-nearest-even done on the integer bits. ``EVICT``: the L2 eviction hint."""
+    same round-to-nearest-even done on the integer bits."""
     if BF16_BITS and HW:
-        tl.store(ptr, y.to(tl.bfloat16).to(tl.int16, bitcast=True), mask=mask,
-                 eviction_policy=EVICT)
+        tl.store(ptr, y.to(tl.bfloat16).to(tl.int16, bitcast=True), mask=mask)
     elif BF16_BITS:
         b = bits_of(y)
         r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
         r = tl.where(is_nan(y), b >> 16, r)
-        tl.store(ptr, r.to(tl.int16), mask=mask, eviction_policy=EVICT)
+        tl.store(ptr, r.to(tl.int16), mask=mask)
     else:
-        tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask, eviction_policy=EVICT)
+        tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def load_f32(ptr, idx, mask, BF16_BITS: tl.constexpr, EVICT: tl.constexpr):
+def load_f32(ptr, idx, mask, BF16_BITS: tl.constexpr):
     """Load as fp32. bf16 comes in as int16 bits and is widened by a shift: exact for
-    subnormals and NaN payloads on every backend (the interpreter flushes bf16 subnormals).
-    ``EVICT``: the L2 eviction hint ("" for none, "evict_last" for data read again
-    soon; passed explicitly: Triton 3.6 rejects a constexpr default in a called function)."""
+    subnormals and NaN payloads on every backend (the interpreter flushes bf16 subnormals)."""
     if BF16_BITS:
-        raw = tl.load(ptr + idx, mask=mask, other=0, eviction_policy=EVICT).to(tl.int32)
-        return (raw << 16).to(tl.float32, bitcast=True)  # the int16 was sign-extended
-    return tl.load(ptr + idx, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        raw = tl.load(ptr + idx, mask=mask, other=0).to(tl.int32)  # sign-extended
+        return (raw << 16).to(tl.float32, bitcast=True)
+    return tl.load(ptr + idx, mask=mask, other=0.0).to(tl.float32)

@@ -85,7 +85,7 @@ def mx_kernel(x_ptr, out_ptr, scale_ptr, enc_lut_ptr, dec_lut_ptr, n_blocks,
     bmask = blk < n_blocks
     idx = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = bmask[:, None]
-    x = load_f32(x_ptr, idx, mask, BF16_BITS, "")
+    x = load_f32(x_ptr, idx, mask, BF16_BITS)
 
     # amax on the magnitude bits: an integer max propagates NaN (its bits sort above inf) as
     # torch.amax does, where float max reductions on a GPU drop it
@@ -102,7 +102,7 @@ def mx_kernel(x_ptr, out_ptr, scale_ptr, enc_lut_ptr, dec_lut_ptr, n_blocks,
                 q = e2m1_round_value(v)
             else:
                 q = _fp8(v, ELEM, ELEM_MAX, HW)
-            store_rounded(out_ptr + idx, q * ds, mask, BF16_BITS, HW, "")
+            store_rounded(out_ptr + idx, q * ds, mask, BF16_BITS, HW)
         else:
             if ELEM == E2M1:
                 vbits = x86_mul_nan_bits(bits_of(v), x, mult)
@@ -111,7 +111,7 @@ def mx_kernel(x_ptr, out_ptr, scale_ptr, enc_lut_ptr, dec_lut_ptr, n_blocks,
                 q = e2m1_value(code)
             else:
                 q = _fp8(v, ELEM, ELEM_MAX, HW)
-            store_rounded(out_ptr + idx, q * ds, mask, BF16_BITS, HW, "")
+            store_rounded(out_ptr + idx, q * ds, mask, BF16_BITS, HW)
     else:
         vbits = x86_mul_nan_bits(bits_of(v), x, mult)
         if ELEM == E2M1:

@@ -46,7 +46,7 @@ def amax_kernel(x_ptr, amax_bits_ptr, n_per_expert, BLOCK: tl.constexpr,
     e = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_per_expert
-    x = load_f32(x_ptr, e * n_per_expert + offs, mask, BF16_BITS, "")
+    x = load_f32(x_ptr, e * n_per_expert + offs, mask, BF16_BITS)
     # integer max of the magnitude bits: NaN (bits above inf) wins with its payload, as
     # torch's x.abs().amax() on the CPU returns it; zeroed first when NaN is skipped (TE).
     # Non-negative floats order like their bits, so the atomic max is order-independent.
@@ -68,7 +68,7 @@ def nvfp4_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, n_blocks, blocks_per_exper
     bmask = blk < n_blocks
     idx = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = bmask[:, None]
-    x = load_f32(x_ptr, idx, mask, BF16_BITS, "")
+    x = load_f32(x_ptr, idx, mask, BF16_BITS)
     if UNIFORM:
         amax = tl.load(amax_ptr + blk0 // blocks_per_expert)
     else:
@@ -79,10 +79,20 @@ def nvfp4_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, n_blocks, blocks_per_exper
     bmax = tl.max(m, axis=1)
 
     if FAKE:
-        y = fake_tile(x, m, bmax, amax, ga, gb, gc, PROFILE)
-        store_rounded(out_ptr + idx, y, mask, BF16_BITS, HW, "")
+        # Short path: the scale chain without NaN bookkeeping, valid when every scaled value
+        # is finite. That holds iff RN(bamax * f) is finite in every block (rounding is
+        # monotone, and a NaN anywhere upstream makes f or bamax NaN), so the check costs one
+        # product per block instead of one test per element.
+        bamax = bmax.to(tl.float32, bitcast=True)
+        sf, f, dec = _chain_finite(bamax, ga, gb, gc, PROFILE)
+        if tl.max(bits_of(bamax * f) & 0x7FFFFFFF, axis=0) < 0x7F800000:
+            y = e2m1_round_value(x * f[:, None]) * dec[:, None]
+        else:
+            sf, f, dec = _chain_exact(m, bmax, amax, ga, gb, gc, PROFILE)
+            y = e2m1_value(_codes(x, x * f[:, None], f, PROFILE)) * dec[:, None]
+        store_rounded(out_ptr + idx, y, mask, BF16_BITS, HW)
     else:
-        sf, f, _ = _chain_exact(m, bmax, amax, ga, gb, gc, PROFILE)
+        sf, f, dec = _chain_exact(m, bmax, amax, ga, gb, gc, PROFILE)
         code = _codes(x, x * f[:, None], f, PROFILE)
         oidx = blk[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
         tl.store(out_ptr + oidx, pack_pairs(code, NB, BLOCK), mask=mask)
@@ -90,24 +100,6 @@ def nvfp4_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, n_blocks, blocks_per_exper
         sb = sf.to(scale_ptr.dtype.element_ty).to(tl.uint8, bitcast=True)
         sb = tl.where(is_nan(sf), (0x7F | ((bits_of(sf) >> 24) & 0x80)).to(tl.uint8), sb)
         tl.store(scale_ptr.to(tl.pointer_type(tl.uint8)) + blk, sb, mask=bmask)
-
-
-@triton.jit
-def fake_tile(x, m, bmax, amax, ga, gb, gc, PROFILE: tl.constexpr):
-    """Fake-quantized fp32 values of the tile ``x`` [NB, 16] (``m``: its magnitude bits,
-    ``bmax``: their per-block max) under the global scalars of ``amax``."""
-    # Short path: the scale chain without NaN bookkeeping, valid when every scaled value is
-    # finite. That holds iff RN(bamax * f) is finite in every block (rounding is monotone,
-    # and a NaN anywhere upstream makes f or bamax NaN), so the check costs one product per
-    # block instead of one test per element.
-    bamax = bmax.to(tl.float32, bitcast=True)
-    _, f, dec = _chain_finite(bamax, ga, gb, gc, PROFILE)
-    if tl.max(bits_of(bamax * f) & 0x7FFFFFFF, axis=0) < 0x7F800000:
-        y = e2m1_round_value(x * f[:, None]) * dec[:, None]
-    else:
-        _, f, dec = _chain_exact(m, bmax, amax, ga, gb, gc, PROFILE)
-        y = e2m1_value(_codes(x, x * f[:, None], f, PROFILE)) * dec[:, None]
-    return y
 
 
 @triton.jit
