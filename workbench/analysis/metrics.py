@@ -30,11 +30,15 @@ def scale_exponents(q: QuantizedTensor) -> torch.Tensor:
     """Integer exponent of each block scale (log2, floored); zero-scale blocks give -1000 (NVFP4
     zero blocks) and NaN scales give 1000, so a histogram keeps them apart."""
     if format_spec(q.fmt).scale == "e8m0":
-        b = q.scale.to(torch.int32)
-        return torch.where(b == 255, 1000, b - 127)
+        return e8m0_exponents(q.scale.to(torch.int32))
     s = block_scales(q)
     e = torch.floor(torch.log2(s.abs())).nan_to_num(nan=1000.0, neginf=-1000.0, posinf=1000.0)
     return e.to(torch.int32)
+
+
+def e8m0_exponents(b: torch.Tensor) -> torch.Tensor:
+    """``scale_exponents`` of E8M0 bytes ``b`` (integers): the byte minus 127, NaN (255) 1000."""
+    return torch.where(b == 255, 1000, b - 127)
 
 
 def _nibble_lut(pred, device) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 
 from workbench.formats import Recipe, dequantize, parse_recipe, quantize
 
-from .metrics import error_metrics, grid_mismatch, scale_exponents
+from .metrics import e8m0_exponents, error_metrics, grid_mismatch, scale_exponents
 
 KEY_COLS = ["layer", "expert", "proj", "kind", "recipe"]
 
@@ -113,8 +113,9 @@ def _rows(rec, recipe: str, metrics: dict, q, byte_counts=None) -> tuple[dict, l
     row = {**base, **metrics, "numel": rec.shape[0] * rec.shape[1]}
     hist = []
     if byte_counts is not None:  # the fused path counted E8M0 bytes: same rows as below
-        hist = [{**base, "exponent": 1000 if b == 255 else b - 127, "count": int(byte_counts[b])}
-                for b in byte_counts.nonzero().flatten().tolist()]
+        present = byte_counts.nonzero().flatten()
+        hist = [{**base, "exponent": int(e), "count": int(c)}
+                for e, c in zip(e8m0_exponents(present), byte_counts[present])]
     elif q is not None:
         exps, counts = torch.unique(scale_exponents(q).flatten(), return_counts=True)
         hist = [{**base, "exponent": int(e), "count": int(c)} for e, c in zip(exps, counts)]
