@@ -136,17 +136,9 @@ def triton_cdiv(a: int, b: int) -> int:
 def global_amax(x: torch.Tensor, *, per_leading: bool, ignore_nan: bool) -> torch.Tensor:
     """fp32 abs-max of ``x`` (0-dim), or one per leading index (``[E, 1, ...]``), in one pass
     (an atomic integer max per chunk). NaN propagates unless ``ignore_nan``."""
+    nvk = _triton()[1]
     x = x.contiguous()
     n_exp = x.shape[0] if per_leading else 1
-    amax = _amax_bits(x, n_exp, ignore_nan).view(torch.float32)
-    if per_leading:
-        return amax.reshape((n_exp,) + (1,) * (x.dim() - 1))
-    return amax.reshape(())
-
-
-def _amax_bits(x: torch.Tensor, n_exp: int, ignore_nan: bool) -> torch.Tensor:
-    """int32 bits of the fp32 abs-max of each of the ``n_exp`` equal parts of contiguous ``x``."""
-    _, nvk = _triton()
     bits = torch.zeros(n_exp, dtype=torch.int32, device=x.device)
     n_per = x.numel() // n_exp
     if n_per:
@@ -154,16 +146,10 @@ def _amax_bits(x: torch.Tensor, n_exp: int, ignore_nan: bool) -> torch.Tensor:
         nvk.amax_kernel[(n_exp, triton_cdiv(n_per, chunk))](
             _bits(x), bits, n_per, BLOCK=chunk, IGNORE_NAN=ignore_nan,
             BF16_BITS=x.dtype == torch.bfloat16, num_warps=8)
-    return bits
-
-
-def _nvfp4_outputs(x: torch.Tensor, fake: bool):
-    if fake:
-        return torch.empty_like(x), x  # scale_ptr unused
-    out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8, device=x.device)
-    scale = torch.empty((*x.shape[:-1], x.shape[-1] // 16), dtype=torch.float8_e4m3fn,
-                        device=x.device)
-    return out, scale
+    amax = bits.view(torch.float32)
+    if per_leading:
+        return amax.reshape((n_exp,) + (1,) * (x.dim() - 1))
+    return amax.reshape(())
 
 
 def _launch_nvfp4(x, out, scale, amax_flat, recipe, fake: bool, nb: int | None = None,
@@ -197,7 +183,12 @@ def _run_nvfp4(x, recipe, global_amax_arg, fake: bool):
         if not ((x.dim() >= 2 and tuple(amax.shape) == per_expert) or amax.numel() == 1):
             raise ValueError(f"global_amax must be a scalar or shape {list(per_expert)} for an "
                              f"input of shape {list(x.shape)}, got shape {list(amax.shape)}")
-    out, scale = _nvfp4_outputs(x, fake)
+    if fake:
+        out, scale = torch.empty_like(x), x  # scale_ptr unused
+    else:
+        out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8, device=x.device)
+        scale = torch.empty((*x.shape[:-1], x.shape[-1] // 16), dtype=torch.float8_e4m3fn,
+                            device=x.device)
     _launch_nvfp4(x, out, scale, amax.reshape(-1).contiguous(), recipe, fake)
     return out, scale, amax
 
@@ -217,11 +208,8 @@ def fake_quantize_experts(x: torch.Tensor, fmt, profile: str | None = None) -> t
     if x.dim() < 2 or x.numel() == 0:
         raise ValueError(f"fake_quantize_experts expects a non-empty [E, ...] stack, got shape "
                          f"{list(x.shape)}")
-    x = x.contiguous()
-    amax = _amax_bits(x, x.shape[0], ignore_nan=False).view(torch.float32)
-    out, scale = _nvfp4_outputs(x, fake=True)
-    _launch_nvfp4(x, out, scale, amax, recipe, True)
-    return out
+    amax = global_amax(x, per_leading=True, ignore_nan=False)
+    return _run_nvfp4(x, recipe, amax, fake=True)[0]
 
 
 def quantize(x: torch.Tensor, fmt, profile: str | None = None, *,
