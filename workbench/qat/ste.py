@@ -42,7 +42,7 @@ def _fq(x: torch.Tensor, recipe: Recipe, dim: int, per_leading: bool) -> torch.T
     fast = _kernels(x, recipe)
     if recipe.fmt == "nvfp4" and per_leading and x.dim() == 3:
         # One NVFP4 per-tensor scale per expert, as each expert Linear has in a checkpoint.
-        if fast is not None:  # the amax and quantize passes scheduled for L2 reuse
+        if fast is not None:  # one amax pass over the stack, then one quantize pass
             return fast.fake_quantize_experts(x, recipe)
         amax = x.detach().abs().amax(dim=(-2, -1), keepdim=True).float()
         return fake_quantize(x, recipe, global_amax=amax)
