@@ -8,6 +8,12 @@ block holds one and expert parallelism is a dispatcher swap. Both dispatchers so
 by global expert id with a stable sort, so rows of one expert keep token order, and combine in
 the same order as transformers' per-expert loop (weight multiply after the down projection,
 then `index_add_`).
+
+No atomics (docs/determinism.md): `index_add_` and the backward of `x_TD[token_A]` accumulate with
+atomic adds on CUDA, whose order changes from run to run. Both are replaced by gathers: every
+token has exactly K assignments, so its sum is K gathered rows added one after another in
+sorted-assignment order (`slots_TK`), which is the order the CPU's sequential `index_add_` and
+index backward use, so CPU results are the same bits as before.
 """
 
 from __future__ import annotations
@@ -32,10 +38,60 @@ def _sort_assignments(experts_TK: torch.Tensor, num_experts: int
     return order_A, token_A, counts_E
 
 
+def _slots(order_A: torch.Tensor, k: int) -> torch.Tensor:
+    """slots_TK: the sorted positions of token t's K assignments, ascending (= expert order)."""
+    pos_A = torch.empty_like(order_A)
+    pos_A[order_A] = torch.arange(order_A.numel(), device=order_A.device)
+    return pos_A.view(-1, k).sort(dim=1).values
+
+
+def _sum_slots(y_AD: torch.Tensor, slots_TK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """out[t] = ((0 + y[slots[t, 0]]) + y[slots[t, 1]]) + ...: a fixed order, no atomics."""
+    out_TD = torch.zeros(slots_TK.shape[0], y_AD.shape[1], dtype=out_dtype, device=y_AD.device)
+    for k in range(slots_TK.shape[1]):
+        out_TD = out_TD + y_AD[slots_TK[:, k]].to(out_dtype)
+    return out_TD
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x_TD[token_A]`` whose backward sums each token's K row gradients with ``_sum_slots``."""
+
+    @staticmethod
+    def forward(ctx, x_TD, token_A, slots_TK):
+        ctx.save_for_backward(slots_TK)
+        ctx.dtype = x_TD.dtype
+        return x_TD[token_A]
+
+    @staticmethod
+    def backward(ctx, g_AD):
+        (slots_TK,) = ctx.saved_tensors
+        return _sum_slots(g_AD, slots_TK, ctx.dtype), None, None
+
+
+class _SumSlots(torch.autograd.Function):
+    """``_sum_slots`` whose backward is the gather ``g_TD[token_A]`` (each row used once)."""
+
+    @staticmethod
+    def forward(ctx, y_AD, slots_TK, token_A, out_dtype):
+        ctx.save_for_backward(token_A)
+        ctx.dtype = y_AD.dtype
+        return _sum_slots(y_AD, slots_TK, out_dtype)
+
+    @staticmethod
+    def backward(ctx, g_TD):
+        (token_A,) = ctx.saved_tensors
+        return g_TD[token_A].to(ctx.dtype), None, None, None
+
+
+def _gather_tokens(x_TD: torch.Tensor, token_A: torch.Tensor, slots_TK: torch.Tensor
+                   ) -> torch.Tensor:
+    return _GatherRows.apply(x_TD, token_A, slots_TK)
+
+
 def _combine(x_TD: torch.Tensor, y_AD: torch.Tensor, weights_TK: torch.Tensor,
-             order_A: torch.Tensor, token_A: torch.Tensor) -> torch.Tensor:
+             order_A: torch.Tensor, token_A: torch.Tensor, slots_TK: torch.Tensor) -> torch.Tensor:
     y_AD = y_AD * weights_TK.reshape(-1)[order_A, None]
-    return torch.zeros_like(x_TD).index_add(0, token_A, y_AD.to(x_TD.dtype))
+    return _SumSlots.apply(y_AD, slots_TK, token_A, x_TD.dtype)
 
 
 class LocalDispatcher:
@@ -48,9 +104,10 @@ class LocalDispatcher:
                              f" process, the module holds {experts.num_experts}; use "
                              "AllToAllDispatcher for sharded experts")
         order_A, token_A, counts_E = _sort_assignments(experts_TK, experts.num_experts)
+        slots_TK = _slots(order_A, experts_TK.shape[1])
         offs_E = counts_E.cumsum(0).to(torch.int32)
-        y_AD = experts(x_TD[token_A], offs_E)
-        return _combine(x_TD, y_AD, weights_TK, order_A, token_A)
+        y_AD = experts(_gather_tokens(x_TD, token_A, slots_TK), offs_E)
+        return _combine(x_TD, y_AD, weights_TK, order_A, token_A, slots_TK)
 
     def __repr__(self) -> str:
         return "LocalDispatcher()"
@@ -63,7 +120,7 @@ class AllToAllDispatcher:
     2. send token rows, grouped by destination rank (sorted by global expert id does that);
     3. regroup the received rows (grouped by source rank, then local expert) by local expert,
        run the grouped GEMM, undo the regrouping;
-    4. send results back with the splits reversed, weight and scatter-add into the local tokens.
+    4. send results back with the splits reversed, weight and sum into the local tokens.
     Autograd flows through both all-to-alls (`workbench.model.collectives`).
     """
 
@@ -81,12 +138,13 @@ class AllToAllDispatcher:
                              f"[{experts.expert_offset}, {experts.expert_offset + L}) of "
                              f"{experts.num_global_experts}")
         order_A, token_A, counts_E = _sort_assignments(experts_TK, experts.num_global_experts)
+        slots_TK = _slots(order_A, experts_TK.shape[1])
         send_RL = counts_E.view(R, L)
         recv_RL = torch.empty_like(send_RL)
         dist.all_to_all_single(recv_RL, send_RL, group=self.group)
         in_splits = send_RL.sum(1).tolist()
         out_splits = recv_RL.sum(1).tolist()
-        x_recv = all_to_all(x_TD[token_A], out_splits, in_splits, self.group)
+        x_recv = all_to_all(_gather_tokens(x_TD, token_A, slots_TK), out_splits, in_splits, self.group)
 
         local_expert = torch.arange(L, device=x_TD.device).repeat(R)
         local_expert = local_expert.repeat_interleave(recv_RL.reshape(-1))
@@ -97,7 +155,7 @@ class AllToAllDispatcher:
         y_recv = experts(x_recv[perm], offs_L)[inverse]
 
         y_AD = all_to_all(y_recv, in_splits, out_splits, self.group)
-        return _combine(x_TD, y_AD, weights_TK, order_A, token_A)
+        return _combine(x_TD, y_AD, weights_TK, order_A, token_A, slots_TK)
 
     def __repr__(self) -> str:
         return f"AllToAllDispatcher(rank={self.rank}, size={self.size})"
