@@ -51,6 +51,8 @@ class LaunchSpec:
     the `module:function` the job's preemption signal handler calls. The job gets USR2
     `signal_delay_s` before `time_min` runs out, time to finish a step and save a checkpoint (Slurm
     may send it up to a minute earlier); it then requeues, at most `max_requeues` times.
+    `deterministic` passes `--deterministic` to the trainer and puts the cuBLAS workspace setting
+    in every rank's environment (docs/determinism.md).
     """
 
     preset: str = "tiny"
@@ -80,6 +82,7 @@ class LaunchSpec:
     stop_hook: str = DEFAULT_STOP_HOOK
     max_requeues: int = 3
     signal_delay_s: int = 90
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -112,6 +115,8 @@ class LaunchSpec:
                 bad("profile applies to a quantized recipe; recipe 'bf16' has none")
         if self.export is not None and self.export not in EXPORTS:
             bad(f"export must be one of {EXPORTS} or None, got {self.export!r}")
+        if not isinstance(self.deterministic, bool):
+            bad(f"deterministic must be a bool, got {self.deterministic!r}")
         if self.ckpt_every is not None and (not isinstance(self.ckpt_every, int)
                                             or self.ckpt_every < 1):
             bad(f"ckpt_every must be a positive int or None, got {self.ckpt_every!r}")
@@ -177,6 +182,8 @@ class LaunchSpec:
             argv += ["--profile", self.profile]
         if self.export:
             argv += ["--export", self.export]
+        if self.deterministic:
+            argv += ["--deterministic"]
         return argv + list(self.trainer_args)
 
     def to_json(self) -> dict:

@@ -22,6 +22,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from workbench.train.determinism import LAUNCH_ENV as DETERMINISTIC_ENV
+
 from .handle import FORMAT, RESULT_FILE, JobHandle, LaunchError
 from .spec import LaunchSpec
 
@@ -50,6 +52,10 @@ def _job_env(spec: LaunchSpec) -> dict[str, str]:
     env = {"PYTHONPATH": ":".join(paths + ([old] if old else []))}
     # Several ranks share a node's cores: one intra-op thread pool each, sized to its CPUs.
     env["OMP_NUM_THREADS"] = str(spec.cpus_per_task)
+    if spec.deterministic:
+        # Set before the rank's Python starts, so no import can create a cuBLAS handle first
+        # (the trainer sets it too; spec.env may pick the other deterministic value, ":16:8").
+        env.update(DETERMINISTIC_ENV)
     env.update(spec.env)
     return env
 

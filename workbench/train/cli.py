@@ -3,7 +3,7 @@
     torchrun --nproc-per-node N jobs/qat.py --preset tiny --recipe mxfp4 --steps S --out DIR \\
         [--resume] [--export compressed-tensors|bf16] [--init CKPT] [--seed N] [--ckpt-every N] \\
         [--wandb offline|online|disabled] [--run-group G] [--val-every N] [--batch B] [--seq S] \\
-        [--lr LR] [--profile P] [--keep K]
+        [--lr LR] [--profile P] [--keep K] [--deterministic]
 
 Runs as one process without torchrun too. Flags left out keep the preset's value.
 """
@@ -56,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--run-group", help="wandb group (baseline + QAT runs compared together)")
     p.add_argument("--run-name")
     p.add_argument("--project", default="workbench")
+    p.add_argument("--deterministic", action="store_true",
+                   help="bitwise-reproducible run: deterministic algorithms and cuBLAS workspace "
+                        "(docs/determinism.md)")
     return p
 
 
@@ -65,7 +68,7 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
                                  if getattr(a, k) is not None}
     return preset_config(a.preset, a.out, recipe=a.recipe, resume=a.resume, export=a.export,
                          init=a.init, wandb=a.wandb, run_group=a.run_group, run_name=a.run_name,
-                         project=a.project, **overrides)
+                         project=a.project, deterministic=a.deterministic, **overrides)
 
 
 def _install_signal_handlers() -> dict:
@@ -108,9 +111,11 @@ def wandb_run_id(out: Path, *, resume: bool) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     from workbench.train import distributed
+    from workbench.train.determinism import enable as enable_determinism
     from workbench.train.loop import check_fresh_start, clear_stop, train
 
     cfg = config_from_args(argv)
+    enable_determinism(cfg.deterministic)  # before CUDA / cuBLAS start (set_device, first matmul)
     info = distributed.setup()
     try:
         cfg.check_world(info.world)

@@ -45,6 +45,8 @@ class TrainConfig:
     run_group: str | None = None
     project: str = "workbench"
     run_name: str | None = None
+    # Bitwise-reproducible GPU runs (workbench.train.determinism, docs/determinism.md).
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if not self.out:
@@ -77,6 +79,9 @@ class TrainConfig:
                              f"recipe {self.recipe!r} has none (use --export bf16)")
         if self.wandb not in WANDB_MODES:
             raise ValueError(f"wandb mode {self.wandb!r} is not one of {WANDB_MODES}")
+        if not isinstance(self.deterministic, bool):  # ValueError like the field checks above
+            raise ValueError(  # noqa: TRY004
+                f"TrainConfig.deterministic must be a bool, got {self.deterministic!r}")
 
     @property
     def weight_format(self) -> str | None:

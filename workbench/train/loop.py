@@ -35,6 +35,7 @@ from workbench.train import checkpointing as ckpt
 from workbench.train.build import build
 from workbench.train.config import TrainConfig
 from workbench.train.data import global_batch, load_corpus, rank_slice
+from workbench.train.determinism import enable as enable_determinism
 from workbench.train.distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier
 from workbench.train.fqtime import FakeQuantTimer
 from workbench.train.metrics import MetricsWriter, truncate_metrics
@@ -190,6 +191,7 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
     """Run (or resume) `cfg` on this rank; every rank calls it. Returns the result dict
     (JSON-able; submitit pickles it back to the caller), or (result, model) with return_model."""
     cfg.check_world(info.world)
+    enable_determinism(cfg.deterministic)  # for callers that skip cli.main
     out = Path(cfg.out)
     check_fresh_start(cfg)
     if info.is_main:
