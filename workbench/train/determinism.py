@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 
-import torch
+# torch is imported inside the functions: the launch layer reads LAUNCH_ENV from here, and
+# `import workbench.launch` stays free of torch (tests/launch/test_launch_spec.py).
 
 CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
 # cuBLAS's documented deterministic settings are ":4096:8" and ":16:8" (one fixed workspace per
@@ -27,6 +28,8 @@ def enable(deterministic: bool) -> None:
     for bit-reproducibility must not quietly get less."""
     if not deterministic:
         return
+    import torch
+
     current = os.environ.get(CUBLAS_ENV)
     if current is None:
         os.environ[CUBLAS_ENV] = CUBLAS_VALUE
@@ -41,4 +44,6 @@ def enable(deterministic: bool) -> None:
 
 
 def is_enabled() -> bool:
+    import torch
+
     return torch.are_deterministic_algorithms_enabled()
