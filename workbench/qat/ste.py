@@ -5,18 +5,32 @@ kernels of ``workbench.kernels`` with identical bits. Backward: the incoming gra
 BF16 master, including for elements that were clipped at the format maximum — the common QAT
 choice (torchao's QAT, Megatron/TE fake quant), because MX/NVFP4 scales follow the block amax,
 so nothing is clipped by design except by FLOOR-style scale rules.
+
+NVFP4 weight stacks get one global amax per expert, which the weights only change at the
+optimizer step: `expert_amax` computes it once per version of the weight (one amax pass, keyed
+by the Parameter's version counter, which every in-place write bumps: the optimizer's update, a
+`load_state_dict`, DCP loading into `state_dict()` tensors) and every later fake quantization of
+that version, in this step's forward, an activation-checkpointing recompute or another
+micro-batch, runs the one-pass quantize with the amax given. The amax is exact, never delayed:
+the same bits as computing it in place. Writes through `param.data` bypass the version counter
+(and so the cache): call `clear_amax_cache()` after them.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
+from torch import nn
 
 from workbench.formats import Recipe, fake_quantize
 
 _log = logging.getLogger(__name__)
 _LOGGED: set[tuple[str, str, str]] = set()
+# id(param) -> (weakref to it, its signature when computed, [E, 1, 1] fp32 amax). An entry is
+# dropped when its parameter is freed, so a new tensor that reuses the id never sees it.
+_AMAX: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}
 
 
 def _kernels(x: torch.Tensor, recipe: Recipe):
@@ -36,15 +50,57 @@ def _kernels(x: torch.Tensor, recipe: Recipe):
     return mod
 
 
+def _compute_amax(w: torch.Tensor, fast) -> torch.Tensor:
+    """[E, 1, 1] fp32 abs-max of each expert, NaN propagating (the reference's definition)."""
+    if fast is not None:  # one launch over the whole stack, bit-equal to the line below
+        return fast.global_amax(w, per_leading=True, ignore_nan=False)
+    return w.detach().abs().amax(dim=(-2, -1), keepdim=True).float()
+
+
+def _signature(w: torch.Tensor) -> tuple | None:
+    try:
+        version = w._version
+    except RuntimeError:  # inference-mode tensors have no version counter
+        return None
+    return (version, w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, w.device)
+
+
+def expert_amax(w: torch.Tensor, fast=None) -> torch.Tensor:
+    """The per-expert NVFP4 global amax of the weight stack ``w`` [E, ...] (fp32, [E, 1, 1]).
+
+    Cached for a ``nn.Parameter`` until its version counter, storage, shape or dtype changes;
+    computed afresh for any other tensor and inside ``torch.compile`` traces."""
+    if not isinstance(w, nn.Parameter) or torch.compiler.is_compiling():
+        return _compute_amax(w, fast)
+    sig = _signature(w)
+    if sig is None:
+        return _compute_amax(w, fast)
+    key = id(w)
+    hit = _AMAX.get(key)
+    if hit is not None and hit[0]() is w and hit[1] == sig:
+        return hit[2]
+    amax = _compute_amax(w, fast)
+    if hit is None or hit[0]() is not w:
+        weakref.finalize(w, _AMAX.pop, key, None)
+    _AMAX[key] = (weakref.ref(w), sig, amax)
+    return amax
+
+
+def clear_amax_cache() -> None:
+    """Forget every cached amax (after writing weights through ``.data``)."""
+    _AMAX.clear()
+
+
 def _fq(x: torch.Tensor, recipe: Recipe, dim: int, per_leading: bool) -> torch.Tensor:
     if dim not in (-1, x.dim() - 1):
         return _fq(x.transpose(dim, -1).contiguous(), recipe, -1, per_leading).transpose(dim, -1)
     fast = _kernels(x, recipe)
     if recipe.fmt == "nvfp4" and per_leading and x.dim() == 3:
-        # One NVFP4 per-tensor scale per expert, as each expert Linear has in a checkpoint.
-        if fast is not None:  # one amax pass over the stack, then one quantize pass
-            return fast.fake_quantize_experts(x, recipe)
-        amax = x.detach().abs().amax(dim=(-2, -1), keepdim=True).float()
+        # One NVFP4 per-tensor scale per expert, as each expert Linear has in a checkpoint:
+        # the amax of this weight version (see the module doc), then one quantize pass.
+        amax = expert_amax(x, fast)
+        if fast is not None:
+            return fast.fake_quantize(x, recipe, global_amax=amax)
         return fake_quantize(x, recipe, global_amax=amax)
     if fast is not None:
         return fast.fake_quantize(x, recipe)
