@@ -25,7 +25,7 @@ from workbench.formats import parse_recipe
 from workbench.qat.ste import fake_quant_ste
 
 
-def _check(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor) -> list[int]:
+def _check(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor) -> None:
     if x_TI.dim() != 2 or w_EOI.dim() != 3:
         raise ValueError(f"grouped_mm expects x [T, I] and w [E, O, I], got {tuple(x_TI.shape)} "
                          f"and {tuple(w_EOI.shape)}")
@@ -36,6 +36,11 @@ def _check(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor) -> lis
         raise ValueError(f"grouped_mm offs must be [E={w_EOI.shape[0]}], got {tuple(offs_E.shape)}")
     if offs_E.dtype != torch.int32:
         raise TypeError(f"grouped_mm offs must be int32 (as torch._grouped_mm), got {offs_E.dtype}")
+
+
+def _ends(x_TI: torch.Tensor, offs_E: torch.Tensor) -> list[int]:
+    """The group ends on the host, validated. On CUDA `tolist` waits for the GPU, so callers
+    queue the fake-quant launches first: they run while the host waits, instead of after."""
     ends = offs_E.tolist()
     prev = 0
     for e, end in enumerate(ends):
@@ -50,11 +55,12 @@ def _check(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor) -> lis
 def grouped_mm(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor, *,
                weight: object = None, act: object = None) -> torch.Tensor:
     """Per-expert `x[rows of e] @ w[e].T`; differentiable in x and w; empty groups allowed."""
-    ends = _check(x_TI, w_EOI, offs)
+    _check(x_TI, w_EOI, offs)
     if weight is not None:
         w_EOI = fake_quant_ste(w_EOI, parse_recipe(weight), per_leading=True)
     if act is not None:
         x_TI = fake_quant_ste(x_TI, parse_recipe(act))
+    ends = _ends(x_TI, offs)
     if x_TI.is_cuda:
         from workbench.kernels import grouped as fast
 
