@@ -3,16 +3,24 @@
     python jobs/bench_qat_moe.py                 # CPU-sized shapes
     python jobs/bench_qat_moe.py --k3            # K3-like: 8 experts, hidden 3584, FFN 3072, 4096 tok/expert
 
-Prints a table: recipe, median ms per fwd+bwd, ratio to BF16, and (on GPU) TFLOP/s.
-The goal on Hopper (issue 8) is QAT within 1.15x of BF16; on CPU the numbers only show the
-reference path's overhead.
+Prints a table: recipe, median ms per step, ratio to BF16, and (on GPU) TFLOP/s.
+Each timed step is what a training step does to the layer: an in-place update of every weight
+(one element each: it bumps the version counter as the optimizer's update does, so the NVFP4
+per-expert amax is recomputed once per step, never served stale from the previous step, while
+the update itself costs nothing measurable), gradients reset, forward, backward.
+Goals on Hopper: QAT within 1.05x of BF16 for NVFP4, NVFP4+MXFP8 and MXFP4+MXFP8 weights
+(issue 19; 1.15x before, issue 8); on CPU the numbers only show the reference path's overhead.
+With $OUT set, the rows are also written to $OUT/bench_qat_moe.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -40,7 +48,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens-per-expert", type=int, default=128)
     ap.add_argument("--k3", action="store_true", help="hidden 3584, FFN 3072, 4096 tokens/expert")
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--recipes", default="bf16,mxfp4,mxfp4+mxfp8,nvfp4")
+    ap.add_argument("--recipes", default="bf16,mxfp4,mxfp4+mxfp8,nvfp4,nvfp4+mxfp8")
     ap.add_argument("--profile", action="store_true",
                     help="after timing, print where one step's GPU time goes (torch.profiler)")
     args = ap.parse_args(argv)
@@ -55,8 +63,9 @@ def main(argv=None) -> None:
     torch_ver = torch.__version__
     print(f"device={torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'} torch={torch_ver} "
           f"E={E} D={D} F={F} tokens/expert={n}")
-    print(f"{'recipe':<26}{'ms fwd+bwd':>12}{'vs bf16':>10}{'GFLOP/s':>10}")
+    print(f"{'recipe':<26}{'ms step':>12}{'vs bf16':>10}{'GFLOP/s':>10}{'goal 1.05x':>12}")
     base = None
+    rows = []
     for recipe in args.recipes.split(","):
         torch.manual_seed(0)
         m = torch.nn.Module()
@@ -66,16 +75,31 @@ def main(argv=None) -> None:
         if recipe != "bf16":
             prepare(m, recipe, _scope())
         xi = x.clone().requires_grad_()
+        params = list(m.parameters())
 
-        def step(m=m, xi=xi):
+        def step(m=m, xi=xi, params=params):
+            with torch.no_grad():
+                for p in params:  # a weight update: new version, so a fresh amax this step
+                    p.view(-1)[:1].mul_(1.0 + 2.0 ** -7)
+                    p.grad = None
+            xi.grad = None
             m.experts(xi, offs).sum().backward()
 
         t = _time(step, args.iters, sync)
         base = t if recipe == "bf16" else base
-        ratio = f"{t / base:.2f}x" if base else "-"
-        print(f"{recipe:<26}{t * 1e3:>12.2f}{ratio:>10}{flops / t / 1e9:>10.1f}", flush=True)
+        ratio = t / base if base else None
+        goal = "" if recipe == "bf16" or ratio is None else ("met" if ratio <= 1.05 else "missed")
+        print(f"{recipe:<26}{t * 1e3:>12.2f}{(f'{ratio:.3f}x' if ratio else '-'):>10}"
+              f"{flops / t / 1e9:>10.1f}{goal:>12}", flush=True)
+        rows.append({"recipe": recipe, "ms": t * 1e3, "vs_bf16": ratio, "gflops": flops / t / 1e9})
         if args.profile and dev == "cuda":
             _profile(step, recipe)
+    if os.environ.get("OUT"):
+        meta = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+                "torch": torch_ver, "E": E, "D": D, "F": F, "tokens_per_expert": n,
+                "iters": args.iters}
+        Path(os.environ["OUT"], "bench_qat_moe.json").write_text(
+            json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
 
 
 def _profile(step, recipe: str) -> None:

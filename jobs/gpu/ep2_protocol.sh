@@ -11,8 +11,9 @@
 #   jobs/gpu/ep2_protocol.sh                  # GPU: 2 ranks, NCCL, qwen3_30b_a3b_like experts
 #   jobs/gpu/ep2_protocol.sh --cpu            # CPU: 2 ranks, gloo, the tiny preset (a dry run)
 #   jobs/gpu/ep2_protocol.sh --nproc 1        # the same protocol on one GPU (EP1: every expert local)
+#   jobs/gpu/ep2_protocol.sh --nproc 1 --deterministic   # bitwise resume on a GPU (docs/determinism.md)
 #   options: --steps N  --work DIR  --out DIR  --layers L  --batch B  --seq S  --deadline SECONDS
-#            --nproc N (ranks = GPUs, default 2)
+#            --nproc N (ranks = GPUs, default 2)  --deterministic (every run with --deterministic)
 # Results go to --out (default $OUT, else ./out/ep2): summary.md, summary.json, protocol.log,
 # runs.tar.gz (metrics.jsonl, configs, results, logs of every run; no checkpoints).
 #
@@ -25,7 +26,7 @@ set -uo pipefail
 
 MODE=gpu
 START=$(date +%s)
-STEPS=""; WORK=""; RESULTS="${OUT:-}"; LAYERS=2; BATCH=""; SEQ=""; NPROC=2
+STEPS=""; WORK=""; RESULTS="${OUT:-}"; LAYERS=2; BATCH=""; SEQ=""; NPROC=2; DETERMINISTIC=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu) MODE=cpu ;;
@@ -37,7 +38,8 @@ while [ $# -gt 0 ]; do
     --seq) SEQ="$2"; shift ;;
     --deadline) DEADLINE="$2"; shift ;;
     --nproc) NPROC="$2"; shift ;;
-    -h|--help) sed -n 2,23p "$0"; exit 0 ;;
+    --deterministic) DETERMINISTIC=--deterministic ;;
+    -h|--help) sed -n 2,25p "$0"; exit 0 ;;
     *) echo "ep2_protocol.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -52,6 +54,9 @@ fi
 export PYTHONUNBUFFERED=1 TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
 # Never let NCCL / PyTorch use NVLink multicast on the shared hosts (device KINDS.md).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Deterministic runs: the cuBLAS workspace setting in every rank's environment from its start
+# (the trainer sets it too, but only once its Python runs).
+if [ -n "$DETERMINISTIC" ]; then export CUBLAS_WORKSPACE_CONFIG="${CUBLAS_WORKSPACE_CONFIG:-:4096:8}"; fi
 
 if [ "$MODE" = gpu ]; then
   PRESET="qwen3_30b_a3b_like-L${LAYERS}-V256"
@@ -83,7 +88,7 @@ LOG="$RESULTS/protocol.log"
 : > "$LOG"
 PHASES="$WORK/phases.json"
 echo "{}" > "$PHASES"
-COMMAND="jobs/gpu/ep2_protocol.sh $([ "$MODE" = cpu ] && echo --cpu) --nproc $NPROC --steps $STEPS --layers $LAYERS --batch $BATCH --seq $SEQ"
+COMMAND="jobs/gpu/ep2_protocol.sh $([ "$MODE" = cpu ] && echo --cpu) --nproc $NPROC --steps $STEPS --layers $LAYERS --batch $BATCH --seq $SEQ${DETERMINISTIC:+ $DETERMINISTIC}"
 
 say() { echo "[ep2 $(date -u +%H:%M:%S)] $*" | tee -a "$LOG"; }
 left() { echo $(( START + DEADLINE - $(date +%s) )); }
@@ -124,7 +129,7 @@ TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC")
 DRIVER=jobs/gpu/ep2_driver.py
 COMMON=(--preset "$PRESET" --steps "$STEPS" --batch "$BATCH" --seq "$SEQ" --lr "$LR"
         --warmup "$WARMUP" --val-every "$VAL_EVERY" --keep 1 --seed 0 --wandb disabled
-        --init "$WORK/init")
+        --init "$WORK/init" $DETERMINISTIC)
 
 say "mode $MODE preset $PRESET steps $STEPS batch $BATCH seq $SEQ work $WORK results $RESULTS"
 if [ "$MODE" = gpu ]; then
