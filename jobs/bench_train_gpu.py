@@ -1,0 +1,231 @@
+"""Trainer speed on one GPU: BF16 and every QAT recipe, deterministic mode on and off, one run.
+
+    python jobs/bench_train_gpu.py                        # qwen3_30b_a3b_like (4 layers), batch 8, seq 512
+    python jobs/bench_train_gpu.py --preset tiny --steps 4 --batch 4 --seq 32   # CPU dry run
+
+Every configuration is a fresh model and optimizer (seed 0, the trainer's `build`) stepped with
+the trainer's own `train_step` on the same global batches; the table reports medians over the
+steps after `--warmup`. One configuration at a time holds the GPU (a 4-layer
+qwen3_30b_a3b_like trainer state is about 50 GB: fp32 masters, gradients, two Adam moments).
+
+Columns:
+- `ms/step`, `tokens/s/GPU` (global tokens / step time / world size, as the trainer logs it);
+- `MFU`: model FLOPs per step / step time / peak, peak = 989 TFLOP/s (H200 dense bf16, datasheet).
+  Model FLOPs per step = 6 * N_active * tokens + 12 * L * H * Dh * S * tokens, where N_active
+  counts every matrix the forward multiplies a token by (attention, router, dense and shared
+  FFNs, lm_head; not the embedding lookup, not 1-D norms) plus top_k / E of the routed experts,
+  and the second term is attention's QK^T and AV (forward + backward, non-causal counting as in
+  PaLM's appendix B; causal kernels skip half of it). Fake quantization is not model work: every
+  recipe is charged the same FLOPs, so MFU falls as QAT overhead grows;
+- `peak GiB`: `torch.cuda.max_memory_allocated` during the configuration (peak RSS on CPU);
+- `fq share`: the trainer's `fake_quant_share` metric (fraction of the step in fake quantization);
+- `vs bf16`: step time over the BF16 run's (deterministic off), `det cost`: deterministic over
+  non-deterministic step time for the same recipe.
+
+Determinism (docs/determinism.md): `CUBLAS_WORKSPACE_CONFIG` is set for the whole process
+before CUDA starts (cuBLAS reads it once), so the "off" runs differ from the "on" runs only by
+`torch.use_deterministic_algorithms`. Two fresh deterministic BF16 runs are compared loss for
+loss (bitwise), and two fresh non-deterministic ones to show what the switch fixes.
+With $OUT set, writes bench_train_gpu.json and bench_train_gpu.md there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Before torch can create a cuBLAS handle (see the module doc).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch
+
+H200_BF16_PEAK = 989e12  # FLOP/s, dense bf16 (NVIDIA datasheet)
+QAT_RECIPES = ("mxfp4", "mxfp4+mxfp8", "nvfp4", "nvfp4+mxfp8")
+
+
+def model_flops_per_token(model, seq: int) -> tuple[float, float]:
+    """(6 * N_active + attention term, N_active) per trained token; see the module doc."""
+    from workbench.model import is_expert_param
+
+    mcfg = model.config
+    dense = expert = 0
+    embed = model.model.embed_tokens.weight
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or (p is embed and not mcfg.tie_embeddings):
+            continue
+        if is_expert_param(model, name):
+            expert += p.numel()
+        else:
+            dense += p.numel()
+    # under EP each rank holds num_experts / world experts; count the global stack
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    n_active = dense + expert * world * mcfg.top_k / mcfg.num_experts
+    attn = 12 * mcfg.num_layers * mcfg.num_heads * mcfg.head_dim * seq
+    return 6 * n_active + attn, n_active
+
+
+def _peak_gib(dev: torch.device) -> float:
+    if dev.type == "cuda":
+        return torch.cuda.max_memory_allocated(dev) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def run_config(args, recipe: str, deterministic: bool, info, tokens) -> dict:
+    from workbench.train.build import build
+    from workbench.train.cli import config_from_args
+    from workbench.train.config import RECIPES
+    from workbench.train.fqtime import FakeQuantTimer
+    from workbench.train.loop import train_step
+
+    if recipe not in RECIPES:  # e.g. a recipe this checkout's trainer does not have yet
+        return {"recipe": recipe, "deterministic": deterministic,
+                "error": f"not a trainer recipe here ({', '.join(RECIPES)})"}
+    torch.use_deterministic_algorithms(deterministic)
+    cfg = config_from_args(["--preset", args.preset, "--recipe", recipe,
+                            "--steps", str(args.steps), "--batch", str(args.batch),
+                            "--seq", str(args.seq), "--out", "unused", "--wandb", "disabled",
+                            *(["--deterministic"] if deterministic else [])])
+    if info.device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(info.device)
+    torch.manual_seed(cfg.seed + info.rank)
+    t0 = time.perf_counter()
+    b = build(cfg, info)
+    build_s = time.perf_counter() - t0
+    flops_tok, n_active = model_flops_per_token(b.model, cfg.seq)
+    recs = []
+    b.model.train()
+    with FakeQuantTimer() as timer:
+        for step in range(1, cfg.steps + 1):
+            recs.append(train_step(b.model, b.opt, b.sched, tokens, cfg, info, step, timer))
+    peak = _peak_gib(info.device)
+    del b
+    gc.collect()
+    if info.device.type == "cuda":
+        torch.cuda.empty_cache()
+    timed = recs[args.warmup:] or recs
+    dt = statistics.median(r["step_time_s"] for r in timed)
+    tokens_step = cfg.batch * cfg.seq
+    return {"recipe": recipe, "deterministic": deterministic, "build_s": build_s,
+            "ms_per_step": dt * 1e3, "tokens_per_s_per_gpu": tokens_step / dt / info.world,
+            "mfu": flops_tok * tokens_step / dt / info.world / H200_BF16_PEAK,
+            "model_tflop_per_step": flops_tok * tokens_step / 1e12, "n_active": n_active,
+            "peak_gib": peak,
+            "fake_quant_share": statistics.median(r.get("fake_quant_share", 0.0) for r in timed),
+            "losses": [r["loss"] for r in recs]}
+
+
+def _table(rows: list[dict], base: dict) -> str:
+    head = ("| recipe | deterministic | ms/step | tokens/s/GPU | MFU | peak GiB | fq share | vs bf16 |"
+            " det cost |\n|---|---|---|---|---|---|---|---|---|")
+    off = {r["recipe"]: r for r in rows if not r["deterministic"] and "error" not in r}
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['recipe']} | {r['deterministic']} | not run: {r['error'][:60]} "
+                         "| | | | | | |")
+            continue
+        cost = ""
+        if r["deterministic"] and r["recipe"] in off:
+            cost = f"{r['ms_per_step'] / off[r['recipe']]['ms_per_step']:.3f}x"
+        lines.append(
+            f"| {r['recipe']} | {r['deterministic']} | {r['ms_per_step']:.1f} | "
+            f"{r['tokens_per_s_per_gpu']:.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | "
+            f"{100 * r['fake_quant_share']:.1f}% | {r['ms_per_step'] / base['ms_per_step']:.3f}x | "
+            f"{cost} |")
+    return "\n".join(lines)
+
+
+def _max_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="qwen3_30b_a3b_like")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=4, help="steps left out of the medians")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--recipes", default=",".join(QAT_RECIPES), help="QAT recipes besides bf16")
+    ap.add_argument("--qat-deterministic", action="store_true",
+                    help="also time every QAT recipe with deterministic mode on")
+    args = ap.parse_args(argv)
+
+    from workbench.train import distributed
+    from workbench.train.data import load_corpus
+
+    info = distributed.setup()
+    tokens = load_corpus().train
+    dev = info.device
+    meta = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "torch": torch.__version__, "cuda": torch.version.cuda, "preset": args.preset,
+            "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
+            "world": info.world, "CUBLAS_WORKSPACE_CONFIG": os.environ["CUBLAS_WORKSPACE_CONFIG"]}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if info.is_main:
+        print("[bench_train_gpu] " + json.dumps(meta), flush=True)
+    plan = [("bf16", False), ("bf16", True), ("bf16", True), ("bf16", False)]
+    plan += [(r, False) for r in args.recipes.split(",") if r]
+    if args.qat_deterministic:
+        plan += [(r, True) for r in args.recipes.split(",") if r]
+    from tqdm.auto import tqdm
+
+    rows = []
+    for recipe, det in tqdm(plan, desc="configurations", disable=not info.is_main):
+        rows.append(run_config(args, recipe, det, info, tokens))
+        r = rows[-1]
+        if info.is_main:
+            print(f"[bench_train_gpu] {recipe} deterministic={det}: "
+                  + (r["error"] if "error" in r else
+                     f"{r['ms_per_step']:.1f} ms/step, build {r['build_s']:.0f} s, "
+                     f"peak {r['peak_gib']:.1f} GiB"), flush=True)
+    torch.use_deterministic_algorithms(False)
+    # runs 0/3: two fresh non-deterministic BF16 runs; 1/2: two fresh deterministic ones
+    off_a, on_a, on_b, off_b = rows[:4]
+    repro = {"deterministic_identical": on_a["losses"] == on_b["losses"],
+             "deterministic_max_abs_diff": _max_diff(on_a["losses"], on_b["losses"]),
+             "nondeterministic_identical": off_a["losses"] == off_b["losses"],
+             "nondeterministic_max_abs_diff": _max_diff(off_a["losses"], off_b["losses"])}
+    shown = [rows[0], rows[1]] + rows[4:]
+    table = _table(shown, off_a)
+    det_cost = on_a["ms_per_step"] / off_a["ms_per_step"]
+    summary = (f"deterministic mode costs {100 * (det_cost - 1):+.1f}% on BF16 "
+               f"(default stays off above +5%: {'make it the default' if det_cost <= 1.05 else 'keep it off'}); "
+               f"two fresh seeded runs, {args.steps} steps: deterministic identical "
+               f"{repro['deterministic_identical']} (max |diff| {repro['deterministic_max_abs_diff']:.3g}), "
+               f"non-deterministic identical {repro['nondeterministic_identical']} "
+               f"(max |diff| {repro['nondeterministic_max_abs_diff']:.3g})")
+    if info.is_main:
+        print(table)
+        print(summary, flush=True)
+        if os.environ.get("OUT"):
+            out = Path(os.environ["OUT"])
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "bench_train_gpu.json").write_text(json.dumps(
+                {"meta": meta, "rows": rows, "reproducibility": repro,
+                 "deterministic_cost": det_cost}, indent=1) + "\n")
+            cmd = "python jobs/bench_train_gpu.py " + " ".join(sys.argv[1:] if argv is None else argv)
+            (out / "bench_train_gpu.md").write_text(
+                f"{json.dumps(meta)}\n\n`{cmd.strip()}`\n\n{table}\n\n{summary}\n")
+    distributed.teardown(info)
+    return 0 if repro["deterministic_identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
