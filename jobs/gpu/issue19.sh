@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Issue 19 on one H200, one command (about 8 minutes; every stage has its own time limit so the
+# whole stays under the device tool's 600 s):
+#   tests  GPU tests of the kernels (cached-amax path included), the model's CUDA tests, and the
+#          CPU tests of the amax cache and the atomic-free combine          -> $OUT/tests.log
+#   moe    jobs/bench_qat_moe.py --k3: QAT expert layer vs BF16, weights updated every step
+#                                                          -> $OUT/bench_qat_moe.{log,json}
+#   train  jobs/bench_train_gpu.py: trainer table (tokens/s/GPU, MFU, peak memory, fq share,
+#          QAT/BF16) for bf16 and each recipe, deterministic on/off cost, two fresh seeded runs
+#          compared (deterministic and not)                -> $OUT/bench_train_gpu.{log,json,md}
+#   ep2    jobs/gpu/ep2_protocol.sh --nproc 1 --deterministic: bitwise resume on the GPU
+#                                                          -> $OUT/ep1/summary.md (+ its files)
+# Usage (device tool, kind nvidia-h200, nothing to carry: no torchao, wandb or submitit needed):
+#   bash jobs/gpu/issue19.sh
+#   STAGES=moe,train bash jobs/gpu/issue19.sh    # a subset; EP1_STEPS / TRAIN_ARGS override sizes
+#   DRY_RUN=cpu bash jobs/gpu/issue19.sh         # every stage at CPU sizes (tiny preset, --cpu)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+REPO="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$REPO"
+PY=${PYTHON:-python3}
+export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 WANDB_MODE=disabled
+STAGES=${STAGES:-tests,moe,train,ep2}
+MOE_ARGS=(--k3 --iters 10); TRAIN=(${TRAIN_ARGS:-}); EP1=(); TESTS_T=110
+if [ "${DRY_RUN:-}" = cpu ]; then
+  MOE_ARGS=(--experts 4 --hidden 128 --ffn 64 --tokens-per-expert 32 --iters 2)
+  TRAIN=(--preset tiny --steps 4 --warmup 1 --batch 4 --seq 32 ${TRAIN_ARGS:-})
+  EP1=(--cpu); TESTS_T=600; EP1_STEPS=${EP1_STEPS:-12}
+fi
+START=$(date +%s)
+stamp() { echo "[issue19 +$(( $(date +%s) - START ))s] $*"; }
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  uname -r
+  "$PY" -c "import torch, triton; p = torch.cuda.get_device_properties(0); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'SMs', p.multi_processor_count)"
+  git log --oneline -1 2>/dev/null; } 2>&1 | tee "$OUT/env.txt"
+
+if [[ $STAGES == *tests* ]]; then
+  stamp "tests"
+  timeout "$TESTS_T" "$PY" -m pytest tests/kernels tests/model/test_model_gpu.py tests/qat/test_amax_cache.py \
+    tests/train/test_deterministic_combine.py -q -rfE -p no:cacheprovider 2>&1 \
+    | tee "$OUT/tests.log" | tail -15
+fi
+if [[ $STAGES == *moe* ]]; then
+  stamp "bench_qat_moe --k3"
+  timeout 75 "$PY" jobs/bench_qat_moe.py "${MOE_ARGS[@]}" 2>&1 | tee "$OUT/bench_qat_moe.log" \
+    | grep -v "^\s*$"
+fi
+if [[ $STAGES == *train* ]]; then
+  stamp "bench_train_gpu"
+  # tqdm bars (carriage returns) stay in the log only
+  timeout 230 "$PY" jobs/bench_train_gpu.py "${TRAIN[@]}" 2>&1 | tee "$OUT/bench_train_gpu.log" \
+    | grep -av $'\r'
+fi
+if [[ $STAGES == *ep2* ]]; then
+  stamp "ep2_protocol --nproc 1 --deterministic"
+  # what is left of ~580 s, less the report's share (the protocol cuts late phases to fit)
+  left=$(( 580 - ($(date +%s) - START) ))
+  [ "$left" -lt 150 ] && left=150
+  [ "${DRY_RUN:-}" = cpu ] && left=900
+  PYTHON="$PY" bash jobs/gpu/ep2_protocol.sh "${EP1[@]}" --nproc 1 --deterministic --steps "${EP1_STEPS:-60}" \
+    --deadline "$left" --out "$OUT/ep1" 2>&1 | grep -av $'\r' | tail -25
+fi
+stamp "done; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
