@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 19 on one H200, one command (about 8 minutes; every stage has its own time limit so the
 # whole stays under the device tool's 600 s):
-#   tests  GPU tests of the kernels (cached-amax path included), the model's CUDA tests, and the
-#          CPU tests of the amax cache and the atomic-free combine          -> $OUT/tests.log
+#   tests  the GPU tests this issue touches (cached amax + one-pass quantize, the grouped fast
+#          path, the model's CUDA tests) and the CPU tests of the amax cache and the atomic-free
+#          combine (the full kernel suite: tests/kernels/run_gpu.sh)       -> $OUT/tests.log
 #   moe    jobs/bench_qat_moe.py --k3: QAT expert layer vs BF16, weights updated every step
 #                                                          -> $OUT/bench_qat_moe.{log,json}
 #   train  jobs/bench_train_gpu.py: trainer table (tokens/s/GPU, MFU, peak memory, fq share,
@@ -12,6 +13,7 @@
 #                                                          -> $OUT/ep1/summary.md (+ its files)
 # Usage (device tool, kind nvidia-h200, nothing to carry: no torchao, wandb or submitit needed):
 #   bash jobs/gpu/issue19.sh
+#   STAGES=ep2 bash jobs/gpu/issue19.sh          # the resume check alone, if the first call ran out
 #   STAGES=moe,train bash jobs/gpu/issue19.sh    # a subset; EP1_STEPS / TRAIN_ARGS override sizes
 #   DRY_RUN=cpu bash jobs/gpu/issue19.sh         # every stage at CPU sizes (tiny preset, --cpu)
 set -uo pipefail
@@ -22,7 +24,7 @@ PY=${PYTHON:-python3}
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 WANDB_MODE=disabled
 STAGES=${STAGES:-tests,moe,train,ep2}
-MOE_ARGS=(--k3 --iters 10); TRAIN=(${TRAIN_ARGS:-}); EP1=(); TESTS_T=110
+MOE_ARGS=(--k3 --iters 10); TRAIN=(${TRAIN_ARGS:-}); EP1=(); TESTS_T=90
 if [ "${DRY_RUN:-}" = cpu ]; then
   MOE_ARGS=(--experts 4 --hidden 128 --ffn 64 --tokens-per-expert 32 --iters 2)
   TRAIN=(--preset tiny --steps 4 --warmup 1 --batch 4 --seq 32 ${TRAIN_ARGS:-})
@@ -37,7 +39,8 @@ stamp() { echo "[issue19 +$(( $(date +%s) - START ))s] $*"; }
 
 if [[ $STAGES == *tests* ]]; then
   stamp "tests"
-  timeout "$TESTS_T" "$PY" -m pytest tests/kernels tests/model/test_model_gpu.py tests/qat/test_amax_cache.py \
+  timeout "$TESTS_T" "$PY" -m pytest tests/kernels/test_amax_cache_gpu.py tests/kernels/test_grouped_gpu.py \
+    tests/kernels/test_dispatch.py tests/model/test_model_gpu.py tests/qat/test_amax_cache.py \
     tests/train/test_deterministic_combine.py -q -rfE -p no:cacheprovider 2>&1 \
     | tee "$OUT/tests.log" | tail -15
 fi
@@ -49,7 +52,7 @@ fi
 if [[ $STAGES == *train* ]]; then
   stamp "bench_train_gpu"
   # tqdm bars (carriage returns) stay in the log only
-  timeout 230 "$PY" jobs/bench_train_gpu.py "${TRAIN[@]}" 2>&1 | tee "$OUT/bench_train_gpu.log" \
+  timeout 210 "$PY" jobs/bench_train_gpu.py "${TRAIN[@]}" 2>&1 | tee "$OUT/bench_train_gpu.log" \
     | grep -av $'\r'
 fi
 if [[ $STAGES == *ep2* ]]; then
