@@ -58,6 +58,7 @@ def _losses(out: Path) -> list[float]:
 def test_config_and_cli_carry_the_switch(tmp_path):
     assert config_from_args(["--out", str(tmp_path)]).deterministic is False
     assert config_from_args(["--out", str(tmp_path), "--deterministic"]).deterministic is True
+    assert config_from_args(["--out", str(tmp_path), "--no-deterministic"]).deterministic is False
     with pytest.raises(ValueError, match="deterministic must be a bool"):
         TrainConfig(out=str(tmp_path), deterministic="yes")
 

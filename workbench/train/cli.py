@@ -3,7 +3,7 @@
     torchrun --nproc-per-node N jobs/qat.py --preset tiny --recipe mxfp4 --steps S --out DIR \\
         [--resume] [--export compressed-tensors|bf16] [--init CKPT] [--seed N] [--ckpt-every N] \\
         [--wandb offline|online|disabled] [--run-group G] [--val-every N] [--batch B] [--seq S] \\
-        [--lr LR] [--profile P] [--keep K] [--deterministic]
+        [--lr LR] [--profile P] [--keep K] [--[no-]deterministic]
 
 Runs as one process without torchrun too. Flags left out keep the preset's value.
 """
@@ -28,7 +28,7 @@ _RUN_ID_RE = re.compile(r"[a-z0-9]{8,32}")
 # CLI flag -> TrainConfig field, for the flags whose default comes from the preset.
 _OVERRIDES = {"steps": "steps", "seed": "seed", "ckpt_every": "ckpt_every", "val_every": "val_every",
               "batch": "batch", "seq": "seq", "lr": "lr", "profile": "profile", "keep": "keep",
-              "warmup": "warmup", "grad_clip": "grad_clip"}
+              "warmup": "warmup", "grad_clip": "grad_clip", "deterministic": "deterministic"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -56,9 +56,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--run-group", help="wandb group (baseline + QAT runs compared together)")
     p.add_argument("--run-name")
     p.add_argument("--project", default="workbench")
-    p.add_argument("--deterministic", action="store_true",
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="bitwise-reproducible run: deterministic algorithms and cuBLAS workspace "
-                        "(docs/determinism.md)")
+                        "(docs/determinism.md); left out: TrainConfig's default")
     return p
 
 
@@ -68,7 +68,7 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
                                  if getattr(a, k) is not None}
     return preset_config(a.preset, a.out, recipe=a.recipe, resume=a.resume, export=a.export,
                          init=a.init, wandb=a.wandb, run_group=a.run_group, run_name=a.run_name,
-                         project=a.project, deterministic=a.deterministic, **overrides)
+                         project=a.project, **overrides)
 
 
 def _install_signal_handlers() -> dict:
