@@ -10,7 +10,9 @@ per-expert amax is recomputed once per step, never served stale from the previou
 the update itself costs nothing measurable), gradients reset, forward, backward.
 Goals on Hopper: QAT within 1.05x of BF16 for NVFP4, NVFP4+MXFP8 and MXFP4+MXFP8 weights
 (issue 19; 1.15x before, issue 8); on CPU the numbers only show the reference path's overhead.
-With $OUT set, the rows are also written to $OUT/bench_qat_moe.json.
+Every recipe's layer is built and warmed up first, then the recipes are timed interleaved,
+one step each per round, `--iters` rounds; the table shows the median per recipe.
+With $OUT set, the rows (and every sample) are also written to $OUT/bench_qat_moe.json.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from workbench.model.experts import GroupedExperts
 from workbench.qat import prepare
 
 
-def _time(fn, iters: int, sync) -> float:
-    fn()
+def _time(fn, iters: int, sync, warm: bool = True) -> float:
+    if warm:
+        fn()
     sync()
     samples = []
     for _ in range(iters):
@@ -64,8 +67,7 @@ def main(argv=None) -> None:
     print(f"device={torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'} torch={torch_ver} "
           f"E={E} D={D} F={F} tokens/expert={n}")
     print(f"{'recipe':<26}{'ms step':>12}{'vs bf16':>10}{'GFLOP/s':>10}{'goal 1.05x':>12}")
-    base = None
-    rows = []
+    steps = {}
     for recipe in args.recipes.split(","):
         torch.manual_seed(0)
         m = torch.nn.Module()
@@ -85,14 +87,27 @@ def main(argv=None) -> None:
             xi.grad = None
             m.experts(xi, offs).sum().backward()
 
-        t = _time(step, args.iters, sync)
-        base = t if recipe == "bf16" else base
+        step()  # warm-up: compilation, autotuning, allocator
+        steps[recipe] = step
+    sync()
+    # Recipes interleaved round by round, so drift of the machine (clocks, other tenants) moves
+    # every recipe's samples alike; the median per recipe.
+    samples = {r: [] for r in steps}
+    for _ in range(args.iters):
+        for recipe, step in steps.items():
+            samples[recipe].append(_time(step, 1, sync, warm=False))
+    base = statistics.median(samples["bf16"]) if "bf16" in samples else None
+    rows = []
+    for recipe, step in steps.items():
+        t = statistics.median(samples[recipe])
         ratio = t / base if base else None
         goal = "" if recipe == "bf16" or ratio is None else ("met" if ratio <= 1.05 else "missed")
         print(f"{recipe:<26}{t * 1e3:>12.2f}{(f'{ratio:.3f}x' if ratio else '-'):>10}"
               f"{flops / t / 1e9:>10.1f}{goal:>12}", flush=True)
-        rows.append({"recipe": recipe, "ms": t * 1e3, "vs_bf16": ratio, "gflops": flops / t / 1e9})
-        if args.profile and dev == "cuda":
+        rows.append({"recipe": recipe, "ms": t * 1e3, "vs_bf16": ratio, "gflops": flops / t / 1e9,
+                     "samples_ms": [v * 1e3 for v in samples[recipe]]})
+    if args.profile and dev == "cuda":
+        for recipe, step in steps.items():
             _profile(step, recipe)
     if os.environ.get("OUT"):
         meta = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
