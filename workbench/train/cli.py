@@ -20,7 +20,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from workbench.train.config import EXPORTS, RECIPES, WANDB_MODES, TrainConfig, preset_config
+from workbench.train.config import (
+    ACT_CKPT_MODES,
+    EXPORTS,
+    RECIPES,
+    WANDB_MODES,
+    TrainConfig,
+    preset_config,
+)
 
 WANDB_RUN_ID_FILE = "wandb_run_id"
 _RUN_ID_RE = re.compile(r"[a-z0-9]{8,32}")
@@ -28,7 +35,8 @@ _RUN_ID_RE = re.compile(r"[a-z0-9]{8,32}")
 # CLI flag -> TrainConfig field, for the flags whose default comes from the preset.
 _OVERRIDES = {"steps": "steps", "seed": "seed", "ckpt_every": "ckpt_every", "val_every": "val_every",
               "batch": "batch", "seq": "seq", "lr": "lr", "profile": "profile", "keep": "keep",
-              "warmup": "warmup", "grad_clip": "grad_clip"}
+              "warmup": "warmup", "grad_clip": "grad_clip",
+              "activation_checkpointing": "activation_checkpointing"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -56,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--run-group", help="wandb group (baseline + QAT runs compared together)")
     p.add_argument("--run-name")
     p.add_argument("--project", default="workbench")
+    p.add_argument("--activation-checkpointing", choices=ACT_CKPT_MODES,
+                   help="recompute each decoder layer in backward: full, or selective (keep the "
+                        "matmul/attention outputs); default off")
     return p
 
 

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+ACT_CKPT_MODES = ("off", "full", "selective")
 RECIPES = ("bf16", "mxfp4", "mxfp4+mxfp8", "nvfp4")
 EXPORTS = ("compressed-tensors", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -45,6 +46,7 @@ class TrainConfig:
     run_group: str | None = None
     project: str = "workbench"
     run_name: str | None = None
+    activation_checkpointing: str = "off"  # off | full | selective (workbench.train.act_ckpt)
 
     def __post_init__(self) -> None:
         if not self.out:
@@ -77,6 +79,9 @@ class TrainConfig:
                              f"recipe {self.recipe!r} has none (use --export bf16)")
         if self.wandb not in WANDB_MODES:
             raise ValueError(f"wandb mode {self.wandb!r} is not one of {WANDB_MODES}")
+        if self.activation_checkpointing not in ACT_CKPT_MODES:
+            raise ValueError(f"activation_checkpointing {self.activation_checkpointing!r} is not "
+                             f"one of {ACT_CKPT_MODES}")
 
     @property
     def weight_format(self) -> str | None:

@@ -20,6 +20,7 @@ boundary the ranks all-reduce it; if any rank asked, all ranks write a DCP check
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -37,6 +38,7 @@ from workbench.train.config import TrainConfig
 from workbench.train.data import global_batch, load_corpus, rank_slice
 from workbench.train.distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier
 from workbench.train.fqtime import FakeQuantTimer
+from workbench.train.memory import SavedTensorMeter, state_bytes
 from workbench.train.metrics import MetricsWriter, truncate_metrics
 
 _stop_requested = False
@@ -128,9 +130,11 @@ def validate(model, val_tokens: torch.Tensor, cfg: TrainConfig, info: DistInfo) 
 
 
 def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, info: DistInfo,
-               step: int, fq_timer: FakeQuantTimer | None = None) -> dict[str, Any]:
+               step: int, fq_timer: FakeQuantTimer | None = None,
+               measure_memory: bool = False) -> dict[str, Any]:
     """One optimizer step on the global batch of `step` (this rank's slice); returns its metrics.
-    With an entered `fq_timer`, the record has `fake_quant_share` too."""
+    With an entered `fq_timer`, the record has `fake_quant_share` too; with `measure_memory`,
+    the `mem_*_bytes` this rank holds (max over ranks; `workbench.train.memory`)."""
     from workbench.model import sync_gradients
 
     timing = fq_timer is not None and fq_timer.available
@@ -139,7 +143,8 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
     t0 = time.perf_counter()
     tok_BS = rank_slice(global_batch(train_tokens, seed=cfg.seed, index=step, batch=cfg.batch,
                                      seq=cfg.seq), info.rank, info.world).to(info.device)
-    with _autocast(info):
+    meter = SavedTensorMeter(model) if measure_memory else contextlib.nullcontext()
+    with _autocast(info), meter:
         res = model(tok_BS, labels_BS=tok_BS)
     res.loss.backward()
     if info.group is not None:
@@ -149,6 +154,8 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
     lr = opt.param_groups[0]["lr"]
     opt.step()
     sched.step()
+    mem = {**state_bytes(model, opt), "mem_activations_bytes": meter.bytes} if measure_memory \
+        else {}
     opt.zero_grad(set_to_none=True)
     ce = float(res.ce_loss.detach())  # the step's host synchronisation
     share = fq_timer.take()[0] / (time.perf_counter() - t0) if timing else 0.0
@@ -163,6 +170,10 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
     }
     if timing:
         rec["fake_quant_share"] = share
+    if mem:
+        names = sorted(mem)
+        t = torch.tensor([float(mem[k]) for k in names], dtype=torch.float64, device=info.device)
+        rec.update({k: int(v) for k, v in zip(names, all_reduce_max(t, info).tolist())})
     return rec
 
 
@@ -229,7 +240,8 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
                 stopped = True
                 break
             step += 1
-            rec = train_step(model, opt, sched, corpus.train, cfg, info, step, fq_timer)
+            rec = train_step(model, opt, sched, corpus.train, cfg, info, step, fq_timer,
+                             measure_memory=step == start + 1)
             loss = rec["loss"]
             if cfg.val_every and (step % cfg.val_every == 0 or step == cfg.steps):
                 rec["val_loss"] = validate(model, corpus.val, cfg, info)
