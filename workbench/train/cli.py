@@ -36,7 +36,8 @@ _RUN_ID_RE = re.compile(r"[a-z0-9]{8,32}")
 _OVERRIDES = {"steps": "steps", "seed": "seed", "ckpt_every": "ckpt_every", "val_every": "val_every",
               "batch": "batch", "seq": "seq", "lr": "lr", "profile": "profile", "keep": "keep",
               "warmup": "warmup", "grad_clip": "grad_clip",
-              "activation_checkpointing": "activation_checkpointing"}
+              "activation_checkpointing": "activation_checkpointing",
+              "expert_stats_every": "expert_stats_every"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -67,6 +68,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--activation-checkpointing", choices=ACT_CKPT_MODES,
                    help="recompute each decoder layer in backward: full, or selective (keep the "
                         "matmul/attention outputs); default off")
+    p.add_argument("--expert-stats-every", type=int,
+                   help="steps between per-expert quantization records in OUT/expert_stats.parquet"
+                        " (default: at each validation; 0: off)")
     return p
 
 

@@ -47,6 +47,7 @@ class TrainConfig:
     project: str = "workbench"
     run_name: str | None = None
     activation_checkpointing: str = "off"  # off | full | selective (workbench.train.act_ckpt)
+    expert_stats_every: int | None = None  # None: at each validation; 0: off (expert_stats.py)
 
     def __post_init__(self) -> None:
         if not self.out:
@@ -79,9 +80,21 @@ class TrainConfig:
                              f"recipe {self.recipe!r} has none (use --export bf16)")
         if self.wandb not in WANDB_MODES:
             raise ValueError(f"wandb mode {self.wandb!r} is not one of {WANDB_MODES}")
+        if self.expert_stats_every is not None and (
+                not isinstance(self.expert_stats_every, int) or self.expert_stats_every < 0):
+            raise ValueError(f"TrainConfig.expert_stats_every must be an int >= 0 or None, got "
+                             f"{self.expert_stats_every!r}")
         if self.activation_checkpointing not in ACT_CKPT_MODES:
             raise ValueError(f"activation_checkpointing {self.activation_checkpointing!r} is not "
                              f"one of {ACT_CKPT_MODES}")
+
+    @property
+    def stats_every(self) -> int:
+        """Steps between expert-statistics records (0: none): the validation interval unless
+        set; bf16 runs have no fake quantization to describe."""
+        if self.recipe == "bf16":
+            return 0
+        return self.val_every if self.expert_stats_every is None else self.expert_stats_every
 
     @property
     def weight_format(self) -> str | None:

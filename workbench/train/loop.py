@@ -37,6 +37,7 @@ from workbench.train.build import build
 from workbench.train.config import TrainConfig
 from workbench.train.data import global_batch, load_corpus, rank_slice
 from workbench.train.distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier
+from workbench.train.expert_stats import ExpertStatsRecorder
 from workbench.train.fqtime import FakeQuantTimer
 from workbench.train.memory import SavedTensorMeter, state_bytes
 from workbench.train.metrics import MetricsWriter, truncate_metrics
@@ -221,6 +222,9 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
         truncate_metrics(out, start) if cfg.resume else (out / "metrics.jsonl").unlink(
             missing_ok=True)
     barrier(info)
+    stats = None
+    if cfg.stats_every:
+        stats = ExpertStatsRecorder(model, info, out, resume_step=start if found else None)
     writer = MetricsWriter(out) if info.is_main else None
     meta = {"recipe": cfg.recipe, "preset": cfg.preset, "seed": cfg.seed}
 
@@ -235,6 +239,8 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
     model.train()
     fq_timer = FakeQuantTimer().__enter__()
     try:
+        if stats is not None and found is None:
+            stats.record(0)  # the map before training: the drift and churn baseline
         while step < cfg.steps:
             if _any_rank_stopping(info):
                 stopped = True
@@ -247,6 +253,10 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
                 rec["val_loss"] = validate(model, corpus.val, cfg, info)
             if not math.isfinite(loss):
                 rec["diverged"] = True
+            if stats is not None and (step % cfg.stats_every == 0 or step == cfg.steps):
+                rec.update(stats.record(step))
+                if info.is_main and logger is not None:
+                    logger.log_table("expert_stats", stats.table(step), step)
             if info.is_main:
                 writer.write(rec)
                 if logger is not None:
@@ -262,6 +272,8 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
         if last_saved != step:  # final or preemption checkpoint
             ckpt.save(out, model, opt, sched, step, info, keep=cfg.keep, meta=meta)
     finally:
+        if stats is not None:
+            stats.close()
         fq_timer.__exit__(None, None, None)
         bar.close()
         if writer is not None:
