@@ -21,6 +21,26 @@ def _inspect(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    from workbench.train.plan import PlanError, model_config_of, plan
+
+    try:
+        cfg = model_config_of(args.model)
+        if args.layers:
+            cfg = cfg.replace(num_layers=args.layers)
+        gpn = args.gpus_per_node or min(args.gpus, 8)
+        if args.gpus % gpn:
+            raise PlanError(f"--gpus {args.gpus} is not a multiple of --gpus-per-node {gpn}")
+        p = plan(cfg, args.gpus // gpn, gpn, args.gpu_mem_gib, batch=args.batch, seq=args.seq,
+                 ep=args.ep, fsdp=args.fsdp, act_ckpt=args.activation_checkpointing,
+                 qat=args.recipe != "bf16")
+    except (PlanError, ValueError) as e:
+        print(f"workbench plan: {e}", file=sys.stderr)
+        return 2
+    print(p)
+    return 0 if p.fits else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="workbench", description="MoE QAT workbench")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -31,6 +51,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="inspect-out", help="folder for experts.csv, figures, summary")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(func=_inspect)
+    p = sub.add_parser("plan", help="per-rank memory of a QAT run and the smallest layouts that fit")
+    p.add_argument("model", help="model preset name or checkpoint folder with config.json")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in all (nodes x gpus per node)")
+    p.add_argument("--gpus-per-node", type=int, help="default: min(--gpus, 8)")
+    p.add_argument("--gpu-mem-gib", type=float, default=141.0, help="memory per GPU (H200: 141)")
+    p.add_argument("--batch", type=int, default=32, help="global batch in sequences")
+    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    p.add_argument("--ep", type=int, help="expert-parallel size (default: world / fsdp)")
+    p.add_argument("--fsdp", type=int, default=1, help="FSDP size (world = ep x fsdp)")
+    p.add_argument("--layers", type=int, help="override num_layers (presets keep 4 by default)")
+    p.add_argument("--recipe", default="mxfp4", help="bf16 for a baseline (no fake-quant copies)")
+    p.add_argument("--activation-checkpointing", default="off",
+                   choices=("off", "full", "selective"))
+    p.set_defaults(func=_plan)
     args = ap.parse_args(argv)
     from workbench.checkpoint import CheckpointError
 

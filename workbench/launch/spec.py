@@ -83,6 +83,9 @@ class LaunchSpec:
     max_requeues: int = 3
     signal_delay_s: int = 90
     deterministic: bool = False
+    activation_checkpointing: str = "off"
+    gpu_mem_gib: float = 141.0  # per GPU, for the memory check (H200: 141)
+    skip_memory_check: bool = False
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -117,6 +120,11 @@ class LaunchSpec:
             bad(f"export must be one of {EXPORTS} or None, got {self.export!r}")
         if not isinstance(self.deterministic, bool):
             bad(f"deterministic must be a bool, got {self.deterministic!r}")
+        if self.activation_checkpointing not in ("off", "full", "selective"):
+            bad(f"activation_checkpointing must be off, full or selective, got "
+                f"{self.activation_checkpointing!r}")
+        if not isinstance(self.gpu_mem_gib, (int, float)) or not self.gpu_mem_gib > 0:
+            bad(f"gpu_mem_gib must be a positive number, got {self.gpu_mem_gib!r}")
         if self.ckpt_every is not None and (not isinstance(self.ckpt_every, int)
                                             or self.ckpt_every < 1):
             bad(f"ckpt_every must be a positive int or None, got {self.ckpt_every!r}")
@@ -184,6 +192,8 @@ class LaunchSpec:
             argv += ["--export", self.export]
         if self.deterministic:
             argv += ["--deterministic"]
+        if self.activation_checkpointing != "off":
+            argv += ["--activation-checkpointing", self.activation_checkpointing]
         return argv + list(self.trainer_args)
 
     def to_json(self) -> dict:

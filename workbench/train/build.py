@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from workbench.train.act_ckpt import apply_activation_checkpointing
 from workbench.train.config import TrainConfig
 from workbench.train.distributed import DistInfo
 
@@ -103,5 +104,6 @@ def build(cfg: TrainConfig, info: DistInfo, *, resuming: bool = False) -> Built:
 
         load_init(cfg.init, model, info)
     report = prepare_qat(model, cfg)
+    apply_activation_checkpointing(model, cfg.activation_checkpointing)
     opt, sched = build_optimizer(model, cfg)
     return Built(model, opt, sched, report)

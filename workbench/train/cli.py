@@ -20,7 +20,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from workbench.train.config import EXPORTS, RECIPES, WANDB_MODES, TrainConfig, preset_config
+from workbench.train.config import (
+    ACT_CKPT_MODES,
+    EXPORTS,
+    RECIPES,
+    WANDB_MODES,
+    TrainConfig,
+    preset_config,
+)
 
 WANDB_RUN_ID_FILE = "wandb_run_id"
 _RUN_ID_RE = re.compile(r"[a-z0-9]{8,32}")
@@ -28,7 +35,9 @@ _RUN_ID_RE = re.compile(r"[a-z0-9]{8,32}")
 # CLI flag -> TrainConfig field, for the flags whose default comes from the preset.
 _OVERRIDES = {"steps": "steps", "seed": "seed", "ckpt_every": "ckpt_every", "val_every": "val_every",
               "batch": "batch", "seq": "seq", "lr": "lr", "profile": "profile", "keep": "keep",
-              "warmup": "warmup", "grad_clip": "grad_clip", "deterministic": "deterministic"}
+              "warmup": "warmup", "grad_clip": "grad_clip", "deterministic": "deterministic",
+              "activation_checkpointing": "activation_checkpointing",
+              "expert_stats_every": "expert_stats_every"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -59,6 +68,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                    help="bitwise-reproducible run: deterministic algorithms and cuBLAS workspace "
                         "(docs/determinism.md); left out: TrainConfig's default")
+    p.add_argument("--activation-checkpointing", choices=ACT_CKPT_MODES,
+                   help="recompute each decoder layer in backward: full, or selective (keep the "
+                        "matmul/attention outputs); default off")
+    p.add_argument("--expert-stats-every", type=int,
+                   help="steps between per-expert quantization records in OUT/expert_stats.parquet"
+                        " (default: at each validation; 0: off)")
     return p
 
 

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+ACT_CKPT_MODES = ("off", "full", "selective")
 RECIPES = ("bf16", "mxfp4", "mxfp4+mxfp8", "nvfp4")
 EXPORTS = ("compressed-tensors", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -47,6 +48,8 @@ class TrainConfig:
     run_name: str | None = None
     # Bitwise-reproducible GPU runs (workbench.train.determinism, docs/determinism.md).
     deterministic: bool = False
+    activation_checkpointing: str = "off"  # off | full | selective (workbench.train.act_ckpt)
+    expert_stats_every: int | None = None  # None: at each validation; 0: off (expert_stats.py)
 
     def __post_init__(self) -> None:
         if not self.out:
@@ -82,6 +85,21 @@ class TrainConfig:
         if not isinstance(self.deterministic, bool):  # ValueError like the field checks above
             raise ValueError(  # noqa: TRY004
                 f"TrainConfig.deterministic must be a bool, got {self.deterministic!r}")
+        if self.expert_stats_every is not None and (
+                not isinstance(self.expert_stats_every, int) or self.expert_stats_every < 0):
+            raise ValueError(f"TrainConfig.expert_stats_every must be an int >= 0 or None, got "
+                             f"{self.expert_stats_every!r}")
+        if self.activation_checkpointing not in ACT_CKPT_MODES:
+            raise ValueError(f"activation_checkpointing {self.activation_checkpointing!r} is not "
+                             f"one of {ACT_CKPT_MODES}")
+
+    @property
+    def stats_every(self) -> int:
+        """Steps between expert-statistics records (0: none): the validation interval unless
+        set; bf16 runs have no fake quantization to describe."""
+        if self.recipe == "bf16":
+            return 0
+        return self.val_every if self.expert_stats_every is None else self.expert_stats_every
 
     @property
     def weight_format(self) -> str | None:

@@ -20,6 +20,7 @@ boundary the ranks all-reduce it; if any rank asked, all ranks write a DCP check
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -37,7 +38,9 @@ from workbench.train.config import TrainConfig
 from workbench.train.data import global_batch, load_corpus, rank_slice
 from workbench.train.determinism import enable as enable_determinism
 from workbench.train.distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier
+from workbench.train.expert_stats import ExpertStatsRecorder
 from workbench.train.fqtime import FakeQuantTimer
+from workbench.train.memory import SavedTensorMeter, state_bytes
 from workbench.train.metrics import MetricsWriter, truncate_metrics
 
 _stop_requested = False
@@ -129,9 +132,11 @@ def validate(model, val_tokens: torch.Tensor, cfg: TrainConfig, info: DistInfo) 
 
 
 def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, info: DistInfo,
-               step: int, fq_timer: FakeQuantTimer | None = None) -> dict[str, Any]:
+               step: int, fq_timer: FakeQuantTimer | None = None,
+               measure_memory: bool = False) -> dict[str, Any]:
     """One optimizer step on the global batch of `step` (this rank's slice); returns its metrics.
-    With an entered `fq_timer`, the record has `fake_quant_share` too."""
+    With an entered `fq_timer`, the record has `fake_quant_share` too; with `measure_memory`,
+    the `mem_*_bytes` this rank holds (max over ranks; `workbench.train.memory`)."""
     from workbench.model import sync_gradients
 
     timing = fq_timer is not None and fq_timer.available
@@ -140,7 +145,8 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
     t0 = time.perf_counter()
     tok_BS = rank_slice(global_batch(train_tokens, seed=cfg.seed, index=step, batch=cfg.batch,
                                      seq=cfg.seq), info.rank, info.world).to(info.device)
-    with _autocast(info):
+    meter = SavedTensorMeter(model) if measure_memory else contextlib.nullcontext()
+    with _autocast(info), meter:
         res = model(tok_BS, labels_BS=tok_BS)
     res.loss.backward()
     if info.group is not None:
@@ -150,6 +156,8 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
     lr = opt.param_groups[0]["lr"]
     opt.step()
     sched.step()
+    mem = {**state_bytes(model, opt), "mem_activations_bytes": meter.bytes} if measure_memory \
+        else {}
     opt.zero_grad(set_to_none=True)
     ce = float(res.ce_loss.detach())  # the step's host synchronisation
     share = fq_timer.take()[0] / (time.perf_counter() - t0) if timing else 0.0
@@ -164,6 +172,10 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
     }
     if timing:
         rec["fake_quant_share"] = share
+    if mem:
+        names = sorted(mem)
+        t = torch.tensor([float(mem[k]) for k in names], dtype=torch.float64, device=info.device)
+        rec.update({k: int(v) for k, v in zip(names, all_reduce_max(t, info).tolist())})
     return rec
 
 
@@ -212,6 +224,9 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
         truncate_metrics(out, start) if cfg.resume else (out / "metrics.jsonl").unlink(
             missing_ok=True)
     barrier(info)
+    stats = None
+    if cfg.stats_every:
+        stats = ExpertStatsRecorder(model, info, out, resume_step=start if found else None)
     writer = MetricsWriter(out) if info.is_main else None
     meta = {"recipe": cfg.recipe, "preset": cfg.preset, "seed": cfg.seed}
 
@@ -226,17 +241,24 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
     model.train()
     fq_timer = FakeQuantTimer().__enter__()
     try:
+        if stats is not None and found is None:
+            stats.record(0)  # the map before training: the drift and churn baseline
         while step < cfg.steps:
             if _any_rank_stopping(info):
                 stopped = True
                 break
             step += 1
-            rec = train_step(model, opt, sched, corpus.train, cfg, info, step, fq_timer)
+            rec = train_step(model, opt, sched, corpus.train, cfg, info, step, fq_timer,
+                             measure_memory=step == start + 1)
             loss = rec["loss"]
             if cfg.val_every and (step % cfg.val_every == 0 or step == cfg.steps):
                 rec["val_loss"] = validate(model, corpus.val, cfg, info)
             if not math.isfinite(loss):
                 rec["diverged"] = True
+            if stats is not None and (step % cfg.stats_every == 0 or step == cfg.steps):
+                rec.update(stats.record(step))
+                if info.is_main and logger is not None:
+                    logger.log_table("expert_stats", stats.table(step), step)
             if info.is_main:
                 writer.write(rec)
                 if logger is not None:
@@ -252,6 +274,8 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
         if last_saved != step:  # final or preemption checkpoint
             ckpt.save(out, model, opt, sched, step, info, keep=cfg.keep, meta=meta)
     finally:
+        if stats is not None:
+            stats.close()
         fq_timer.__exit__(None, None, None)
         bar.close()
         if writer is not None:

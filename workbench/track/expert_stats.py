@@ -1,0 +1,130 @@
+"""The trainer's per-expert telemetry, read back: tables for notebooks and budgets on it.
+
+`read(run_dir)` loads `OUT/expert_stats.parquet` (columns: `workbench.train.expert_stats`);
+`per_expert` reduces the three projections to one value per expert (max for errors and churn,
+the routed load once); `error_growth` and `final_difference` are what notebook 05 draws.
+The budgets read the summary scalars the trainer logs next to the loss at every record.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from workbench.track.budgets import Verdict
+from workbench.train.expert_stats import read_expert_stats
+
+_REDUCE = {"rel_err": "max", "sqnr_db": "min", "churn": "max", "sat_frac": "max",
+           "clip_frac": "max", "amax_drift": "max", "load": "first", "act_amax": "first"}
+
+
+def read(run_dir: str | Path) -> pd.DataFrame:
+    return read_expert_stats(run_dir)
+
+
+def per_expert(df: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """One row per step x layer x expert: `metric` over the projections (worst of the three;
+    load and activation amax are per expert already)."""
+    how = _REDUCE.get(metric, "max")
+    return df.groupby(["step", "layer", "expert"], as_index=False)[metric].agg(how)
+
+
+def error_growth(df: pd.DataFrame, metric: str = "rel_err") -> pd.DataFrame:
+    """Per layer x expert: `metric` (worst projection) at the first and the last record."""
+    g = per_expert(df, metric)
+    first, last = g["step"].min(), g["step"].max()
+    a = g[g["step"] == first].set_index(["layer", "expert"])[metric]
+    b = g[g["step"] == last].set_index(["layer", "expert"])[metric]
+    out = pd.DataFrame({"first": a, "last": b}).reset_index()
+    out["growth"] = out["last"] - out["first"]
+    return out.sort_values("growth", ascending=False, ignore_index=True)
+
+
+def final_difference(a: pd.DataFrame, b: pd.DataFrame, metric: str = "rel_err") -> pd.DataFrame:
+    """Per layer x expert: `metric` of run a minus run b at each run's last record."""
+    def last(df: pd.DataFrame) -> pd.Series:
+        g = per_expert(df, metric)
+        return g[g["step"] == g["step"].max()].set_index(["layer", "expert"])[metric]
+
+    la, lb = last(a), last(b)
+    if not la.index.equals(lb.index):
+        raise ValueError("final_difference: the runs have different layers or experts")
+    return pd.DataFrame({"a": la, "b": lb, "diff": la - lb}).reset_index()
+
+
+def _last(run: pd.DataFrame, column: str) -> tuple[int, float] | None:
+    if column not in run.columns:
+        return None
+    v = run.loc[run[column].notna(), ["step", column]]
+    if v.empty:
+        return None
+    row = v.iloc[-1]
+    return int(row["step"]), float(row[column])
+
+
+@dataclass(frozen=True)
+class ExpertErrorBelow:
+    """The worst expert's relative weight error at the newest record is at most `limit`."""
+
+    limit: float
+
+    @property
+    def name(self) -> str:
+        return f"worst expert rel_err <= {self.limit:g}"
+
+    def evaluate(self, run: pd.DataFrame, baseline: pd.DataFrame | None) -> Verdict:
+        got = _last(run, "expert_worst_rel_err")
+        if got is None:
+            return Verdict(self.name, math.nan, self.limit, None, "no expert statistics logged")
+        step, v = got
+        return Verdict(self.name, v, self.limit, math.isfinite(v) and v <= self.limit,
+                       f"step {step}: worst expert {v:.4g}")
+
+
+@dataclass(frozen=True)
+class DeadExpertsAtMost:
+    """At most `count` experts got no tokens in each of the trainer's last `dead_intervals`
+    record intervals (`experts_dead`, default 3 intervals), at the newest record."""
+
+    count: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"dead experts <= {self.count}"
+
+    def evaluate(self, run: pd.DataFrame, baseline: pd.DataFrame | None) -> Verdict:
+        got = _last(run, "experts_dead")
+        if got is None:
+            return Verdict(self.name, math.nan, self.count, None, "no expert statistics logged")
+        step, v = got
+        return Verdict(self.name, v, self.count, v <= self.count,
+                       f"step {step}: {int(v)} experts without tokens for the last intervals")
+
+
+@dataclass(frozen=True)
+class ChurnBelow:
+    """Mean code churn between records never exceeds `limit` (after the first `warmup`
+    records' steps), a ceiling on how much the quantized model moves per interval."""
+
+    limit: float
+    warmup: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"mean code churn <= {self.limit:g}"
+
+    def evaluate(self, run: pd.DataFrame, baseline: pd.DataFrame | None) -> Verdict:
+        if "expert_mean_churn" not in run.columns:
+            return Verdict(self.name, math.nan, self.limit, None, "no expert statistics logged")
+        v = run.loc[(run["step"] > self.warmup) & run["expert_mean_churn"].notna(),
+                    ["step", "expert_mean_churn"]]
+        if v.empty:
+            return Verdict(self.name, math.nan, self.limit, None,
+                           f"no churn recorded after step {self.warmup} yet")
+        worst = v.loc[v["expert_mean_churn"].idxmax()]
+        m = float(worst["expert_mean_churn"])
+        return Verdict(self.name, m, self.limit, m <= self.limit,
+                       f"highest at step {int(worst['step'])}: {m:.4g}")
