@@ -167,7 +167,16 @@ def build(index: ShardIndex, qcfg: QuantConfig, model_type: str | None = None) -
                 f"{role} tensor {comp!r} has no data tensor {base!r} (or its packed form)",
                 path=index.entry(comp).file, tensor=comp))
             continue
-        shapes[base] = _logical_shape(index, layout, g)
+        shape = _logical_shape(index, layout, g)
+        if len(shape) >= 2 and 0 in shape and is_weight_param(split_name(_EP.sub("", base))[1]):
+            # a weight with a zero-size dim holds no data, whatever its other dims claim: a
+            # 248-byte header can declare 10^7 experts of 0 rows, and each would get records
+            comp = g["data"]
+            problems.append(ShapeMismatchError(
+                f"weight of shape {list(shape)} holds no elements (a zero-size dimension)",
+                path=index.entry(comp).file, tensor=comp))
+            continue
+        shapes[base] = shape
     stored_q = None
     if layout == "fp8-block":  # DeepSeek configs name no targets: the scale companions do
         stored_q = {b: "fp8-block" for b, g in groups.items() if "scale" in g and b in shapes}
@@ -310,15 +319,16 @@ def _check_shapes(index, layout, qcfg, base, g, codec, shape) -> list[Checkpoint
             mismatch("data", d.shape, (rows, math.ceil(cols * 4 / 32)))
         elif cols % w or s.shape != (rows, cols // w):
             mismatch("scale", s.shape, (rows, cols // w))
-    elif codec == "fp8-block":
-        br, bc = qcfg.weight_block_size
-        want = (math.ceil(d.shape[0] / br), math.ceil(d.shape[1] / bc)) if len(d.shape) == 2 else ()
-        if s.shape != want:
-            mismatch("scale", s.shape, want)
-    elif codec == "fp8":
-        r = d.shape[0] if d.shape else 0
-        blk = _ct_block(qcfg)
-        if blk is not None and len(d.shape) == 2:
+    elif codec in ("fp8-block", "fp8"):
+        # the FP8 decoders read 2-D [out, in] data only: any other rank is refused here, at
+        # open, rather than by the first read
+        if len(d.shape) != 2:
+            bad.append(ShapeMismatchError(f"{codec} data must be 2-D [out, in], got "
+                                          f"{list(d.shape)}", path=d.file, tensor=g["data"]))
+            return bad
+        r = d.shape[0]
+        blk = qcfg.weight_block_size if codec == "fp8-block" else _ct_block(qcfg)
+        if blk is not None:
             want = (math.ceil(d.shape[0] / blk[0]), math.ceil(d.shape[1] / blk[1]))
             if s.shape != want:
                 mismatch("scale", s.shape, want)
