@@ -25,6 +25,7 @@ from typing import Any
 
 from ..scope import Pattern
 from .errors import ConfigError, UnknownFormatError
+from .registry import CODECS as CODEC_RECORDS
 from .safe_io import checkpoint_root, present, short
 from .safe_io import read_json as _read_json
 
@@ -38,7 +39,7 @@ CT_FORMATS = {  # compressed_tensors.config.CompressionFormat values (0.20.1)
 CT_UNQUANTIZED = {"dense"}
 MODELOPT_ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "MXFP4": "mxfp4",
                   "MXFP8": "mxfp8_e4m3"}
-CODECS = ("mxfp4", "nvfp4", "nvfp4-ct", "mxfp8_e4m3", "int4", "fp8", "fp8-block")
+CODECS = tuple(CODEC_RECORDS)
 
 
 @dataclass(frozen=True)
@@ -205,8 +206,7 @@ def _ct_codec(fmt: str, wa: WeightArgs | None, path: Path, group: str) -> str | 
         raise UnknownFormatError(f"compressed-tensors format {fmt!r} (group {group!r}) is not "
                                  f"supported; supported: {sorted(CT_FORMATS)}", path=path)
     codec = CT_FORMATS[fmt]
-    want = {"mxfp4": (4, "float"), "nvfp4-ct": (4, "float"), "mxfp8_e4m3": (8, "float"),
-            "int4": (4, "int"), "fp8": (8, "float")}[codec]
+    want = CODEC_RECORDS[codec].bits
     if (wa.num_bits, wa.type) != want:
         raise ConfigError(f"group {group!r}: format {fmt!r} needs {want[1]}{want[0]} weights, "
                           f"config says {wa.type}{wa.num_bits}", path=path)
