@@ -168,3 +168,31 @@ def test_bad_patterns_fail_at_construction():
 
     with pytest.raises(re.error):
         Pattern("re:([", "ct")
+
+
+class GroupedExperts(nn.Module):
+    """A grouped-GEMM experts module: one 3-D `weight` [E, out, in], no Linear in sight."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(shape))
+
+
+@pytest.mark.parametrize("shape", [(4, 8, 16), (2, 4, 8, 16)])
+def test_a_3d_weight_is_not_a_linear(shape):
+    # a checkpoint stores no classes: the scope infers Linear from a 2-D weight only, as
+    # compressed-tensors (matching the module's class) sees a grouped 3-D weight
+    from compressed_tensors.utils.match import is_match
+
+    root = nn.Module()
+    root.experts = GroupedExperts(shape)
+    root.proj = nn.Linear(16, 8, bias=False)
+    names = {n: tuple(p.shape) for n, p in root.named_parameters()}
+    scope = QuantScope.from_patterns(["Linear"], [], "mxfp4", names=names)
+    assert is_match("experts", root.experts, ["Linear"], []) is False
+    assert is_match("proj", root.proj, ["Linear"], []) is True
+    assert not scope.is_quantized("experts.weight"), scope.reason("experts.weight")
+    assert scope.is_quantized("proj.weight")
+    # the same names with a shape given per query, and a TE-style weight{k}
+    assert not scope.decide("experts.weight0", shape).quantized
+    assert scope.decide("experts.weight0", (8, 16)).quantized

@@ -7,9 +7,10 @@ import sys
 
 
 def _inspect(args) -> int:
-    from workbench.analysis.inspect import inspect_checkpoint, write_report
+    from workbench.analysis.inspect import check_args, inspect_checkpoint, write_report
     from workbench.checkpoint import open_checkpoint
 
+    args.recipe, args.device, args.out = check_args(args.recipe, args.device, args.out)
     ck = open_checkpoint(args.checkpoint)
     ref = open_checkpoint(args.reference) if args.reference else None
     print(ck)
@@ -66,12 +67,14 @@ def main(argv: list[str] | None = None) -> int:
                    choices=("off", "full", "selective"))
     p.set_defaults(func=_plan)
     args = ap.parse_args(argv)
+    from workbench.analysis.inspect import InspectArgError
     from workbench.checkpoint import CheckpointError
 
     try:
         return args.func(args)
-    except CheckpointError as e:
-        print(f"workbench: {e}", file=sys.stderr)
+    except (CheckpointError, InspectArgError) as e:
+        msg = e.one_line() if isinstance(e, CheckpointError) else str(e)
+        print(f"workbench: {msg}", file=sys.stderr)
         return 2
 
 

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 from analysis_ckpts import moe_weights, write_dense
+from safetensors.torch import save_file
 
 from workbench import plots
 from workbench.analysis import candidate_errors, expert_detail
 from workbench.checkpoint import open_checkpoint
+from workbench.cli import main
 
 ROOT = Path(__file__).parents[2]
 
@@ -74,3 +79,58 @@ def test_expert_detail_matches_table_row(ckpt):
     assert d.exponents.numel() == d.weight.numel() // 32
     fig = plots.expert_detail(d)
     assert len(fig.get_axes()) == 2
+
+
+def _bad_cuda() -> str:
+    """A CUDA device that is not there, on any machine."""
+    return f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--recipe", "mxfp5"], "unknown format 'mxfp5'"),
+    (["--recipe", "mxfp4:floor", "--recipe", "nvfp4:bogus"], "no profile 'bogus'"),
+    (["--device", "bogus"], "--device 'bogus'"),
+    (["--device", "cuda-ish:x"], "--device"),
+    (["--device", "meta"], "only cpu and cuda"),
+    (["--device", _bad_cuda()], "CUDA"),
+])
+def test_cli_bad_argument_is_one_line_before_any_work(ckpt, tmp_path, capsys, flags, needle):
+    rc = main(["inspect", str(ckpt), "--out", str(tmp_path / "out"), *flags])
+    cap = capsys.readouterr()
+    assert rc == 2
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], cap.err
+    assert cap.out == ""  # the checkpoint was not even opened (it prints itself first)
+
+
+def test_cli_out_must_be_a_writable_folder_before_the_analysis(ckpt, tmp_path, capsys):
+    f = tmp_path / "report.txt"
+    f.write_text("mine")
+    for out, needle in ((f, "is not a folder"), (f / "sub", "not a writable folder")):
+        rc = main(["inspect", str(ckpt), "--out", str(out), "--recipe", "mxfp4"])
+        cap = capsys.readouterr()
+        assert rc == 2 and cap.out == "", (out, cap)
+        lines = cap.err.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0], cap.err
+    assert f.read_text() == "mine"
+    if os.geteuid() != 0:  # root writes into read-only folders anyway
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        rc = main(["inspect", str(ckpt), "--out", str(ro / "report"), "--recipe", "mxfp4"])
+        cap = capsys.readouterr()
+        assert rc == 2 and cap.out == "" and "not a writable folder" in cap.err
+
+
+def test_cli_validation_error_is_one_line(tmp_path):
+    # several problems at once (a ValidationError) still print as one line
+    d = tmp_path / "ck"
+    d.mkdir()
+    save_file({f"model.layers.0.mlp.experts.{e}.up_proj.weight": torch.zeros(8, 4, dtype=torch.uint8)
+               for e in range(3)}, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps({"model_type": "x"}))
+    r = subprocess.run([sys.executable, "-m", "workbench.cli", "inspect", str(d), "--out",
+                        str(tmp_path / "out")], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, check=False)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "3 problems" in lines[0] and "model.safetensors" in lines[0], r.stderr

@@ -412,3 +412,29 @@ def test_bf16_gpt_oss_fused_experts_as_transformers_stores_them(tmp_path):
         assert torch.equal(ck.expert_weight(0, e, "down")[3:9, 2:5], dn[e].T[3:9, 2:5])
     st = ck.stacked_experts(0, "up")
     assert torch.equal(st[1:3, 4:10:2, 7], gu[1:3, 7, 1::2][:, 4:10:2])
+
+
+def test_every_codec_and_layout_is_one_consistent_record():
+    """Each codec the config parser can name has one record, each layout one record, and what
+    the records claim holds: MX/NVFP4 codecs decode through a workbench.formats format whose
+    profiles include each layout's decoder profile."""
+    from workbench.checkpoint.config import CT_FORMATS, MODELOPT_ALGOS, QuantConfig
+    from workbench.checkpoint.registry import CODECS, LAYOUT_OF_METHOD, LAYOUTS
+    from workbench.formats import format_spec
+
+    assert set(CT_FORMATS.values()) | set(MODELOPT_ALGOS.values()) | {"fp8-block"} == set(CODECS)
+    for c in CODECS.values():
+        assert next(iter(c.roles)) == "data" and "scale" in c.roles, c.name
+        if c.fmt is not None:
+            assert c.block == format_spec(c.fmt).block, c.name
+    for method in ("compressed-tensors", "mxfp4", "modelopt", "fp8", "dense"):
+        QuantConfig(method, None)  # every method the config knows ...
+        assert method in LAYOUT_OF_METHOD  # ... has exactly one layout
+    assert len(LAYOUTS) == len(LAYOUT_OF_METHOD)
+    for lay in LAYOUTS.values():
+        if lay.profile is not None:
+            fmts = {c.fmt for c in CODECS.values() if c.fmt is not None}
+            assert any(lay.profile in format_spec(f).profiles for f in fmts), lay.name
+        # suffixes are unambiguous inside a layout
+        sfx = [s for s in lay.suffixes.values() if s]
+        assert len(sfx) == len(set(sfx)), lay.name

@@ -94,20 +94,25 @@ def _ct_args(fmt: str):
 
 
 def compressed_tensors_oracle(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """compressed-tensors' own path: group min/max -> calculate_qparams -> compressor (2-D only)."""
+    """compressed-tensors' own path: group min/max -> calculate_qparams -> compressor (2-D only).
+
+    The state dict carries the zero point as a model has it: `apply_quantization_config`
+    registers `weight_zero_point` for symmetric schemes too (force_zero_point=True), and the
+    compressor adds it after dividing, which turns -0.0 into +0.0 (MXFP8 stores that sign)."""
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
     args, scheme = _ct_args(fmt)
     g = w.unflatten(-1, (-1, 32))
-    scale, _ = calculate_qparams(g.amin(-1), g.amax(-1), args)
+    scale, zp = calculate_qparams(g.amin(-1), g.amax(-1), args)
+    state = {"weight": w, "weight_scale": scale, "weight_zero_point": zp}
     if fmt == "mxfp4":
         from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
 
-        out = MXFP4PackedCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
+        out = MXFP4PackedCompressor.compress(state, scheme)
         return as_bytes(out["weight_packed"]), as_bytes(out["weight_scale"])
     from compressed_tensors.compressors.mxfp8.base import MXFP8QuantizationCompressor
 
-    out = MXFP8QuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
+    out = MXFP8QuantizationCompressor.compress(state, scheme)
     return as_bytes(out["weight"]), as_bytes(out["weight_scale"])
 
 

@@ -9,8 +9,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
+
+from workbench.formats import parse_recipe
 
 from .tables import ErrorTables, candidate_errors, reference_errors, stored_vs_recipes
 
@@ -26,6 +31,46 @@ class InspectResult:
     tables: ErrorTables
     summary: str
     figures: dict = field(default_factory=dict)  # file stem -> Figure
+
+
+class InspectArgError(ValueError):
+    """A `workbench inspect` argument that cannot work; raised before any checkpoint is read."""
+
+
+def check_args(recipes, device: str | None, out) -> tuple[list[str] | None, str | None, Path]:
+    """Validate the CLI's recipes, device and output folder *before* the analysis runs, so a
+    typo costs nothing: (recipes, device, out). The output folder is created and a probe file
+    written in it (an existing file, a read-only folder or a path under a file fails here)."""
+    for r in recipes or ():
+        try:
+            parse_recipe(r)
+        except ValueError as e:
+            raise InspectArgError(f"--recipe {r!r}: {e}") from None
+    if device is not None:
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, ValueError) as e:
+            raise InspectArgError(f"--device {device!r} is not a device ({e}); use cpu, cuda "
+                                  "or cuda:N") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise InspectArgError(f"--device {device!r}: only cpu and cuda are supported")
+        if dev.type == "cuda":
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if n == 0:
+                raise InspectArgError(f"--device {device!r}: CUDA is not available here")
+            if dev.index is not None and dev.index >= n:
+                raise InspectArgError(f"--device {device!r}: only {n} CUDA device(s) here")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise InspectArgError(f"--out {str(out)!r} exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-probe-"):
+            pass
+    except OSError as e:
+        raise InspectArgError(f"--out {str(out)!r} is not a writable folder: "
+                              f"{e.strerror or e}") from None
+    return (list(recipes) if recipes else None), device, out
 
 
 def _stored_formats(ck) -> list[str]:

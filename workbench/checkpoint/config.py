@@ -18,12 +18,16 @@ workbench *codec* name used by the layout adapters:
 
 from __future__ import annotations
 
-import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..scope import Pattern
 from .errors import ConfigError, UnknownFormatError
+from .registry import CODECS as CODEC_RECORDS
+from .safe_io import checkpoint_root, present, short
+from .safe_io import read_json as _read_json
 
 CT_FORMATS = {  # compressed_tensors.config.CompressionFormat values (0.20.1)
     "mxfp4-pack-quantized": "mxfp4",
@@ -35,7 +39,7 @@ CT_FORMATS = {  # compressed_tensors.config.CompressionFormat values (0.20.1)
 CT_UNQUANTIZED = {"dense"}
 MODELOPT_ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "MXFP4": "mxfp4",
                   "MXFP8": "mxfp8_e4m3"}
-CODECS = ("mxfp4", "nvfp4", "nvfp4-ct", "mxfp8_e4m3", "int4", "fp8", "fp8-block")
+CODECS = tuple(CODEC_RECORDS)
 
 
 @dataclass(frozen=True)
@@ -93,13 +97,9 @@ class QuantConfig:
         return {g.codec for g in self.groups if g.codec is not None}
 
 
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"malformed JSON: {e}", path=path) from e
-    except OSError as e:
-        raise ConfigError(f"cannot read: {e}", path=path) from e
+def read_json(path: Path, root: Path | None = None) -> Any:
+    """A JSON file of the checkpoint: regular, inside `root`, size-capped (see safe_io)."""
+    return _read_json(path, checkpoint_root(path.parent) if root is None else root)
 
 
 def find_quant_config(model_config: dict, config_path: Path) -> dict | None:
@@ -113,14 +113,16 @@ def find_quant_config(model_config: dict, config_path: Path) -> dict | None:
 
 def load_quant_config(folder: Path) -> tuple[dict, QuantConfig]:
     """(model config dict, parsed QuantConfig) for a checkpoint folder."""
+    folder = Path(folder)
+    root = checkpoint_root(folder)
     cfg_path = folder / "config.json"
-    model_config = read_json(cfg_path) if cfg_path.exists() else {}
+    model_config = read_json(cfg_path, root) if present(cfg_path) else {}
     if not isinstance(model_config, dict):
         raise ConfigError("config.json is not a JSON object", path=cfg_path)
     q = find_quant_config(model_config, cfg_path)
     hf_path = folder / "hf_quant_config.json"
-    if q is None and hf_path.exists():
-        doc = read_json(hf_path)
+    if q is None and present(hf_path):
+        doc = read_json(hf_path, root)
         if not isinstance(doc, dict) or not isinstance(doc.get("quantization"), dict):
             raise ConfigError("hf_quant_config.json has no 'quantization' object", path=hf_path)
         return model_config, parse_modelopt(doc["quantization"], hf_path)
@@ -139,27 +141,62 @@ def parse_quant_config(q: dict, path: Path) -> QuantConfig:
         return parse_modelopt(q, path)
     if method == "fp8":
         return parse_fp8_block(q, path)
-    raise UnknownFormatError(f"unknown quant_method {method!r} (known: compressed-tensors, "
+    raise UnknownFormatError(f"unknown quant_method {short(method)} (known: compressed-tensors, "
                              "mxfp4, modelopt, fp8)", path=path)
 
 
-def _str_list(v: Any, what: str, path: Path) -> tuple[str, ...]:
+def _str_list(v: Any, what: str, path: Path, style: str | None = None) -> tuple[str, ...]:
+    """A list of strings; with `style`, each must also be a valid pattern of that style (an
+    invalid regex is the config's fault and is reported here, not as re.error later)."""
     if v is None:
         return ()
     if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise ConfigError(f"{what} must be a list of strings, got {v!r}", path=path)
+        raise ConfigError(f"{what} must be a list of strings, got {short(v)}", path=path)
+    if style is not None:
+        for i, text in enumerate(v):
+            try:
+                Pattern(text, style)
+            except (ValueError, re.error, RecursionError, OverflowError) as e:
+                raise ConfigError(f"{what}[{i}] = {short(text)} is not a valid pattern: "
+                                  f"{short(str(e), 120)}", path=path) from None
     return tuple(v)
 
 
+def _opt_str(v: Any, what: str, path: Path) -> str | None:
+    if v is not None and not isinstance(v, str):
+        raise ConfigError(f"{what} must be a string, got {short(v)}", path=path)
+    return v
+
+
+def _pos_int(v: Any, what: str, path: Path) -> int:
+    # type() is int: bools, floats (0.5, Infinity) and strings ("abc", "32") are all refused
+    if type(v) is not int or v <= 0:
+        raise ConfigError(f"{what} must be a positive integer, got {short(v)}", path=path)
+    return v
+
+
 def _weight_args(w: dict, path: Path, group: str) -> WeightArgs:
-    try:
-        bs = w.get("block_structure")
-        return WeightArgs(num_bits=int(w["num_bits"]), type=str(w.get("type", "int")),
-                          strategy=w.get("strategy"), group_size=w.get("group_size"),
-                          block_structure=tuple(bs) if bs else None,
-                          symmetric=bool(w.get("symmetric", True)))
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"config group {group!r}: bad 'weights' {w!r}", path=path) from e
+    at = f"config_groups.{group}.weights"
+    if "num_bits" not in w:
+        raise ConfigError(f"{at} has no 'num_bits'", path=path)
+    num_bits = _pos_int(w["num_bits"], f"{at}.num_bits", path)
+    typ = _opt_str(w.get("type", "int"), f"{at}.type", path)
+    strategy = _opt_str(w.get("strategy"), f"{at}.strategy", path)
+    gs = w.get("group_size")
+    group_size = None if gs is None else _pos_int(gs, f"{at}.group_size", path)
+    bs = w.get("block_structure")
+    block = None
+    if bs is not None:
+        if not isinstance(bs, list) or len(bs) != 2:
+            raise ConfigError(f"{at}.block_structure must be [rows, cols], got {short(bs)}",
+                              path=path)
+        block = (_pos_int(bs[0], f"{at}.block_structure[0]", path),
+                 _pos_int(bs[1], f"{at}.block_structure[1]", path))
+    sym = w.get("symmetric", True)
+    if not isinstance(sym, bool):
+        raise ConfigError(f"{at}.symmetric must be true or false, got {short(sym)}", path=path)
+    return WeightArgs(num_bits=num_bits, type=typ or "int", strategy=strategy,
+                      group_size=group_size, block_structure=block, symmetric=sym)
 
 
 def _ct_codec(fmt: str, wa: WeightArgs | None, path: Path, group: str) -> str | None:
@@ -169,8 +206,7 @@ def _ct_codec(fmt: str, wa: WeightArgs | None, path: Path, group: str) -> str | 
         raise UnknownFormatError(f"compressed-tensors format {fmt!r} (group {group!r}) is not "
                                  f"supported; supported: {sorted(CT_FORMATS)}", path=path)
     codec = CT_FORMATS[fmt]
-    want = {"mxfp4": (4, "float"), "nvfp4-ct": (4, "float"), "mxfp8_e4m3": (8, "float"),
-            "int4": (4, "int"), "fp8": (8, "float")}[codec]
+    want = CODEC_RECORDS[codec].bits
     if (wa.num_bits, wa.type) != want:
         raise ConfigError(f"group {group!r}: format {fmt!r} needs {want[1]}{want[0]} weights, "
                           f"config says {wa.type}{wa.num_bits}", path=path)
@@ -181,11 +217,11 @@ def _ct_codec(fmt: str, wa: WeightArgs | None, path: Path, group: str) -> str | 
 
 
 def parse_compressed_tensors(q: dict, path: Path) -> QuantConfig:
-    fmt = q.get("format")
+    fmt = _opt_str(q.get("format"), "quantization_config.format", path)
     status = q.get("quantization_status", "compressed")
     if status != "compressed":
         # frozen / calibration checkpoints hold BF16 weights next to scales: not a storage format
-        raise UnknownFormatError(f"quantization_status {status!r}: only 'compressed' checkpoints "
+        raise UnknownFormatError(f"quantization_status {short(status)}: only 'compressed' checkpoints "
                                  "are read", path=path)
     groups_raw = q.get("config_groups")
     if not isinstance(groups_raw, dict) or not groups_raw:
@@ -194,23 +230,26 @@ def parse_compressed_tensors(q: dict, path: Path) -> QuantConfig:
     for gname, g in groups_raw.items():
         if not isinstance(g, dict):
             raise ConfigError(f"config group {gname!r} is not an object", path=path)
-        targets = _str_list(g.get("targets"), f"config_groups.{gname}.targets", path)
+        targets = _str_list(g.get("targets"), f"config_groups.{gname}.targets", path, "ct")
         w = g.get("weights")
+        if w is not None and not isinstance(w, dict):
+            raise ConfigError(f"config_groups.{gname}.weights must be an object, got "
+                              f"{short(w)}", path=path)
         wa = _weight_args(w, path, gname) if isinstance(w, dict) else None
-        gfmt = g.get("format") or fmt
+        gfmt = _opt_str(g.get("format"), f"config_groups.{gname}.format", path) or fmt
         if gfmt is None or gfmt == "mixed-precision":
             raise ConfigError(f"group {gname!r} has no storage format", path=path)
         groups.append(ConfigGroup(gname, targets, _ct_codec(gfmt, wa, path, gname), wa, gfmt))
     return QuantConfig("compressed-tensors", path, fmt, tuple(groups),
-                       _str_list(q.get("ignore"), "ignore", path), "ct", raw=q)
+                       _str_list(q.get("ignore"), "ignore", path, "ct"), "ct", raw=q)
 
 
 def parse_gpt_oss(q: dict, path: Path) -> QuantConfig:
     # transformers' Mxfp4 quantizer converts the experts modules (fused gate_up/down) only
     group = ConfigGroup("experts", ("re:.*\\.experts$",), "mxfp4", None, "mxfp4")
     return QuantConfig("mxfp4", path, "mxfp4", (group,),
-                       _str_list(q.get("modules_to_not_convert"), "modules_to_not_convert", path),
-                       "hf", raw=q)
+                       _str_list(q.get("modules_to_not_convert"), "modules_to_not_convert", path,
+                                 "hf"), "hf", raw=q)
 
 
 def parse_modelopt(q: dict, path: Path) -> QuantConfig:
@@ -219,31 +258,32 @@ def parse_modelopt(q: dict, path: Path) -> QuantConfig:
     targets. Both hold shell globs (`model.layers.*.self_attn*`)."""
     algo = q.get("quant_algo")
     algo = algo.upper() if isinstance(algo, str) else algo  # config.json copies are lower case
-    if algo not in MODELOPT_ALGOS:
-        raise UnknownFormatError(f"ModelOpt quant_algo {algo!r} is not supported; supported: "
+    if not isinstance(algo, str) or algo not in MODELOPT_ALGOS:
+        raise UnknownFormatError(f"ModelOpt quant_algo {short(algo)} is not supported; supported: "
                                  f"{sorted(MODELOPT_ALGOS)}", path=path)
     targets: tuple[str, ...] = ()
     groups_raw = q.get("config_groups")
     if isinstance(groups_raw, dict):
         for gname, g in groups_raw.items():
             if isinstance(g, dict):
-                targets += _str_list(g.get("targets"), f"config_groups.{gname}.targets", path)
+                targets += _str_list(g.get("targets"), f"config_groups.{gname}.targets", path,
+                                     "ct")
     group = ConfigGroup("modelopt", targets or ("Linear",), MODELOPT_ALGOS[algo], None, algo)
     key = "exclude_modules" if "exclude_modules" in q else "ignore"
-    return QuantConfig("modelopt", path, algo, (group,), _str_list(q.get(key), key, path),
+    return QuantConfig("modelopt", path, algo, (group,), _str_list(q.get(key), key, path, "glob"),
                        "glob", raw=q)
 
 
 def parse_fp8_block(q: dict, path: Path) -> QuantConfig:
     bs = q.get("weight_block_size")
     if (not isinstance(bs, list) or len(bs) != 2
-            or not all(isinstance(b, int) and b > 0 for b in bs)):
-        raise ConfigError(f"fp8 quant_method needs weight_block_size [r, c], got {bs!r}",
-                          path=path)
+            or not all(type(b) is int and b > 0 for b in bs)):
+        raise ConfigError(f"fp8 quant_method needs weight_block_size [r, c] of positive "
+                          f"integers, got {short(bs)}", path=path)
     if q.get("fmt", "e4m3") != "e4m3":
-        raise UnknownFormatError(f"fp8 fmt {q.get('fmt')!r} is not supported (only e4m3)",
+        raise UnknownFormatError(f"fp8 fmt {short(q.get('fmt'))} is not supported (only e4m3)",
                                  path=path)
     group = ConfigGroup("fp8", ("Linear",), "fp8-block", None, "fp8")
     return QuantConfig("fp8", path, "fp8", (group,),
-                       _str_list(q.get("modules_to_not_convert"), "modules_to_not_convert", path),
-                       "hf", weight_block_size=(bs[0], bs[1]), raw=q)
+                       _str_list(q.get("modules_to_not_convert"), "modules_to_not_convert", path,
+                                 "hf"), "hf", weight_block_size=(bs[0], bs[1]), raw=q)

@@ -24,6 +24,15 @@ class CheckpointError(Exception):
         prefix = f"[{', '.join(where)}] " if where else ""
         super().__init__(prefix + message)
 
+    def one_line(self, limit: int = 400) -> str:
+        """The message as one printable line (a CLI prints this): control characters from
+        hostile names escaped, cut to `limit` characters."""
+        text = str(self)
+        if isinstance(self, ValidationError) and self.errors:
+            text = f"{len(self.errors)} problems, the first: {self.errors[0]}"
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+        return text if len(text) <= limit else text[: limit - 3] + "..."
+
 
 class MissingFileError(CheckpointError):
     """A file the checkpoint needs (shard, config, index) does not exist."""

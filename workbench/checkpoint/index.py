@@ -6,10 +6,11 @@ file not truncated -- without touching tensor data. Reads go through
 `safetensors.safe_open(...).get_slice(name)[...]`, so a request touches only its bytes; every
 read is counted in `IndexStats` (tests and benchmarks check the byte count).
 
-Safety: shard names from `model.safetensors.index.json` must stay inside the folder (no
-absolute path, no `..`, no symlink resolving outside). One exception, because it is how every
-Hugging Face hub download looks: inside a hub cache snapshot (`.../snapshots/<rev>/`), links into
-that repository's own `blobs/` folder are allowed.
+Safety: shard names from `model.safetensors.index.json` must be plain relative file names
+(no absolute path, no `..`, no `.`), and every shard must be a regular file resolving inside the
+checkpoint root (`safe_io.checkpoint_root`: the folder, or for a Hugging Face hub cache snapshot
+`.../<repo>/snapshots/<rev>/` the repository folder `<repo>` holding its `blobs/`). Shards are
+opened non-blocking and checked with fstat, so a FIFO or a device is refused instead of read.
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ from .errors import (
     MissingTensorError,
     UnsafePathError,
     ValidationError,
+)
+from .safe_io import (
+    INDEX_CAP,
+    checkpoint_root,
+    open_regular,
+    parse_json,
+    present,
+    read_capped,
+    resolve_inside,
 )
 
 # safetensors dtype string -> (torch dtype, bits per element)
@@ -84,26 +94,44 @@ class IndexStats:
         self.per_tensor.clear()
 
 
-def parse_header(path: Path) -> dict[str, TensorEntry]:
-    """Read and fully check one shard's header; never reads tensor data."""
+def _read_exact(fd: int, n: int) -> bytes:
+    chunks = []
+    while n > 0:
+        b = os.read(fd, min(n, 1 << 24))
+        if not b:
+            break
+        chunks.append(b)
+        n -= len(b)
+    return b"".join(chunks)
+
+
+def parse_header(path: Path, root: Path | None = None) -> dict[str, TensorEntry]:
+    """Read and fully check one shard's header; never reads tensor data. The shard must be a
+    regular file inside `root` (default: its own folder)."""
+    root = checkpoint_root(path.parent) if root is None else root
+    fd, size = open_regular(path, root)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CorruptShardError(f"shard is {size} bytes: too short for a safetensors "
-                                        "header (empty or truncated file)", path=path)
-            (n,) = struct.unpack("<Q", head)
-            if n == 0 or n > MAX_HEADER or 8 + n > size:
-                raise CorruptShardError(f"header length {n} does not fit a {size}-byte file "
-                                        "(corrupt header or truncated file)", path=path)
-            raw = f.read(n)
+        head = _read_exact(fd, 8)
+        if len(head) < 8:
+            raise CorruptShardError(f"shard is {size} bytes: too short for a safetensors "
+                                    "header (empty or truncated file)", path=path)
+        (n,) = struct.unpack("<Q", head)
+        if n == 0 or n > MAX_HEADER or 8 + n > size:
+            raise CorruptShardError(f"header length {n} does not fit a {size}-byte file "
+                                    "(corrupt header or truncated file)", path=path)
+        raw = _read_exact(fd, n)
     except OSError as e:
         raise MissingFileError(f"cannot read shard: {e}", path=path) from e
+    finally:
+        os.close(fd)
+    if len(raw) < n:
+        raise CorruptShardError(f"header of {n} bytes, file ended after {len(raw)}", path=path)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptShardError(f"header is not valid JSON: {e}", path=path) from e
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        # ValueError: JSONDecodeError, or an integer over Python's 4300-digit limit
+        what = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        raise CorruptShardError(f"header is not valid JSON: {what}", path=path) from None
     if not isinstance(header, dict):
         raise CorruptShardError("header is not a JSON object", path=path)
     data_start, data_size = 8 + n, size - 8 - n
@@ -142,9 +170,12 @@ def parse_header(path: Path) -> dict[str, TensorEntry]:
     spans.sort()
     pos = 0
     for b, e, name in spans:
-        if b < pos:
-            raise CorruptShardError(f"data range [{b}, {e}) overlaps the previous tensor",
-                                    path=path, tensor=name)
+        # safetensors itself requires the data to be packed back to back: a hole is as wrong
+        # as an overlap (bytes nobody owns), and found here, not at the first read
+        if b != pos:
+            what = "overlaps the previous tensor" if b < pos else \
+                f"leaves a hole of {b - pos} bytes after the previous tensor"
+            raise CorruptShardError(f"data range [{b}, {e}) {what}", path=path, tensor=name)
         pos = e
     if pos != data_size:
         raise CorruptShardError(f"tensors cover {pos} of {data_size} data bytes (file has "
@@ -152,32 +183,25 @@ def parse_header(path: Path) -> dict[str, TensorEntry]:
     return entries
 
 
-def _hub_blobs(folder: Path) -> Path | None:
-    # hub cache: <repo>/snapshots/<rev>/file -> ../../blobs/<sha>
-    if folder.parent.name == "snapshots" and (folder.parent.parent / "blobs").is_dir():
-        return (folder.parent.parent / "blobs").resolve()
-    return None
-
-
-def safe_shard_path(folder: Path, name: str, *, source: Path, tensor: str | None = None) -> Path:
-    """Resolve a shard name from an index, refusing anything that leaves `folder`."""
+def safe_shard_path(folder: Path, name: str, *, source: Path, tensor: str | None = None,
+                    root: Path | None = None) -> Path:
+    """Resolve a shard name from an index, refusing anything that leaves the checkpoint root
+    (default `checkpoint_root(folder)`) or is not a plain relative file name."""
     if not isinstance(name, str) or not name or "\x00" in name:
-        raise UnsafePathError(f"invalid shard name {name!r}", path=source, tensor=tensor)
+        raise UnsafePathError(f"invalid shard name {name!r:.80}", path=source, tensor=tensor)
     p = Path(name)
+    if not p.parts or name.endswith(("/", "\\", "/.")):  # ".", "./", "sub/": a folder
+        raise UnsafePathError(f"shard name {name!r:.80} is not a file name", path=source,
+                              tensor=tensor)
     if p.is_absolute() or name.startswith(("/", "\\")) or ".." in p.parts or ":" in p.parts[0]:
-        raise UnsafePathError(f"shard name {name!r} is absolute or climbs out of the folder",
-                              path=source, tensor=tensor)
-    root = folder.resolve()
+        raise UnsafePathError(f"shard name {name!r:.80} is absolute or climbs out of the "
+                              "folder", path=source, tensor=tensor)
+    root = checkpoint_root(folder) if root is None else root
     full = folder / p
-    real = full.resolve()
-    blobs = _hub_blobs(folder)
-    inside = real.is_relative_to(root) or (blobs is not None and real.is_relative_to(blobs))
-    if not inside:
-        raise UnsafePathError(f"shard {name!r} resolves to {real}, outside {root}",
-                              path=source, tensor=tensor)
-    if not full.exists():
+    if not present(full):
         raise MissingFileError(f"shard {name!r} named by the index does not exist", path=full,
                                tensor=tensor)
+    resolve_inside(full, root, source=source, tensor=tensor)
     return full
 
 
@@ -188,6 +212,7 @@ class ShardIndex:
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise MissingFileError("checkpoint folder does not exist", path=self.folder)
+        self.root = checkpoint_root(self.folder)
         self.stats = IndexStats()
         self._max_open = max_open
         self._handles: OrderedDict[Path, object] = OrderedDict()
@@ -198,10 +223,11 @@ class ShardIndex:
 
     def _build(self) -> None:
         idx = self.folder / INDEX_FILE
-        if idx.exists():
+        if present(idx):
             self._build_from_index(idx)
-        elif (self.folder / SINGLE_FILE).exists():
-            self._add_file(safe_shard_path(self.folder, SINGLE_FILE, source=self.folder))
+        elif present(self.folder / SINGLE_FILE):
+            self._add_file(safe_shard_path(self.folder, SINGLE_FILE, source=self.folder,
+                                           root=self.root))
         else:
             # e.g. per-rank Megatron exports `model-ep0.safetensors`, ...: take them all
             files = sorted(p.name for p in self.folder.glob("*.safetensors"))
@@ -210,25 +236,28 @@ class ShardIndex:
                                        path=self.folder)
             for name in files:
                 m = EP_FILE.search(Path(name).stem.lower())
-                self._add_file(safe_shard_path(self.folder, name, source=self.folder),
+                self._add_file(safe_shard_path(self.folder, name, source=self.folder,
+                                               root=self.root),
                                ep_rank=int(m.group(1)) if m else None)
 
     def _build_from_index(self, idx: Path) -> None:
-        try:
-            doc = json.loads(idx.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"malformed JSON: {e}", path=idx) from e
+        doc = parse_json(read_capped(idx, self.root, INDEX_CAP, what="index"), idx)
         wmap = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wmap, dict) or not wmap:
             raise ConfigError("index has no non-empty 'weight_map' object", path=idx)
         headers: dict[str, dict[str, TensorEntry] | None] = {}
         problems: list[CheckpointError] = []
         for tname, fname in wmap.items():
+            if not isinstance(fname, str):
+                problems.append(UnsafePathError(f"weight_map value {fname!r:.80} is not a file "
+                                                "name", path=idx, tensor=tname))
+                continue
             if fname not in headers:
                 headers[fname] = None
                 try:  # check every shard, then report all problems together
-                    full = safe_shard_path(self.folder, fname, source=idx, tensor=tname)
-                    headers[fname] = parse_header(full)
+                    full = safe_shard_path(self.folder, fname, source=idx, tensor=tname,
+                                           root=self.root)
+                    headers[fname] = parse_header(full, self.root)
                     self.files.append(full)
                 except CheckpointError as e:
                     if e.tensor is None:  # name a tensor the index sends to this shard
@@ -250,7 +279,7 @@ class ShardIndex:
             raise ValidationError(problems, path=idx)
 
     def _add_file(self, path: Path, ep_rank: int | None = None) -> None:
-        for name, entry in parse_header(path).items():
+        for name, entry in parse_header(path, self.root).items():
             if ep_rank is not None and ".experts." in name:
                 # per-rank files reuse local expert names: keep them apart (see experts.py)
                 name = f"{name}@ep{ep_rank}"

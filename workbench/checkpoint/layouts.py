@@ -1,6 +1,7 @@
 """Layout adapters: group stored tensors into logical weights and check them against the config.
 
-Each layout names its companions by suffix on the weight's stored name (`base`):
+Each layout names its companions by suffix on the weight's stored name (`base`); the suffixes,
+dtypes, block widths and decoders live in one record per layout and per codec (registry.py):
 
 | layout | data | scale | global scale | other |
 |---|---|---|---|---|
@@ -35,48 +36,14 @@ from .errors import (
     UncoveredTensorError,
 )
 from .index import ShardIndex
+from .registry import CODECS, LAYOUT_OF_METHOD, LAYOUTS
 
-LAYOUT_OF_METHOD = {"compressed-tensors": "compressed-tensors", "mxfp4": "gpt-oss",
-                    "modelopt": "modelopt", "fp8": "fp8-block", "dense": "dense"}
-SUFFIXES = {
-    "compressed-tensors": {"_packed": "data", "_scale": "scale", "_global_scale": "global_scale",
-                           "_shape": "shape", "_zero_point": "zero_point"},
-    "gpt-oss": {"_blocks": "data", "_scales": "scale"},
-    "modelopt": {"_scale": "scale", "_scale_2": "global_scale"},
-    "fp8-block": {"_scale_inv": "scale"},
-    "dense": {},
-}
-# the workbench.formats profile whose *decoder* matches each layout's reference loader.
-# gpt-oss: transformers decodes `_blocks/_scales` with ldexp (byte 0 -> 2^-127, 0xFF -> the exact
-# 2^128, so zero codes stay zero, no saturation): the "transformers" profile; triton_kernels' own
-# decoder would saturate and give NaN for 0xFF, compressed-tensors' NaN for 0 x 2^128.
-STORED_PROFILE = {"compressed-tensors": "compressed-tensors", "modelopt": "modelopt-export",
-                  "gpt-oss": "transformers"}
 EXTRA_PARAMS = re.compile(r"(input|output)_(scale|global_scale|zero_point)|[kvq]_scale")
 _EP = re.compile(r"@ep\d+$")
 _E8 = (torch.uint8, torch.float8_e8m0fnu)
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-# codec -> role -> allowed dtypes
-ROLE_DTYPES = {
-    "mxfp4": {"data": (torch.uint8,), "scale": _E8},
-    "nvfp4": {"data": (torch.uint8,), "scale": (torch.float8_e4m3fn,),
-              "global_scale": (torch.float32,)},
-    "mxfp8_e4m3": {"data": (torch.float8_e4m3fn,), "scale": _E8},
-    "int4": {"data": (torch.int32,), "scale": _FLOATS, "shape": (torch.int32, torch.int64)},
-    "fp8": {"data": (torch.float8_e4m3fn,), "scale": _FLOATS},
-    "fp8-block": {"data": (torch.float8_e4m3fn,), "scale": (torch.float32,)},
-}
-ROLE_DTYPES["nvfp4-ct"] = ROLE_DTYPES["nvfp4"]
-FMT_OF_CODEC = {"mxfp4": "mxfp4", "nvfp4": "nvfp4", "nvfp4-ct": "nvfp4",
-                "mxfp8_e4m3": "mxfp8_e4m3"}
-BLOCK_OF_CODEC = {"mxfp4": 32, "nvfp4": 16, "nvfp4-ct": 16, "mxfp8_e4m3": 32}
-SUFFIX_OF_ROLE = {
-    "compressed-tensors": {"data": "_packed", "scale": "_scale", "global_scale": "_global_scale",
-                           "shape": "_shape"},
-    "gpt-oss": {"data": "_blocks", "scale": "_scales"},
-    "modelopt": {"data": "", "scale": "_scale", "global_scale": "_scale_2"},
-    "fp8-block": {"data": "", "scale": "_scale_inv"},
-}
+# derived views of the records, for callers that only ask "which formats codec is this"
+FMT_OF_CODEC = {c.name: c.fmt for c in CODECS.values() if c.fmt is not None}
 
 
 @dataclass(frozen=True)
@@ -110,12 +77,12 @@ class Built:
 
 
 def detect_layout(qcfg: QuantConfig) -> str:
-    return LAYOUT_OF_METHOD[qcfg.method]
+    return LAYOUT_OF_METHOD[qcfg.method].name
 
 
 def _group(names: list[str], layout: str):
     """base -> {role: stored name}; plus extras."""
-    sfx = sorted(SUFFIXES[layout].items(), key=lambda kv: -len(kv[0]))
+    sfx = LAYOUTS[layout].role_of_suffix.items()
     groups: dict[str, dict[str, str]] = {}
     extras = []
     for n in names:
@@ -140,12 +107,13 @@ def _group(names: list[str], layout: str):
 def _foreign(name: str, layout: str) -> str | None:
     """A name that looks like another layout's packed companion (never right in `layout`)."""
     _, param = split_name(_EP.sub("", name))
-    for lay, sfx in SUFFIXES.items():
-        if lay == layout:
+    own = LAYOUTS[layout].role_of_suffix
+    for lay in LAYOUTS.values():
+        if lay.name == layout:
             continue
-        for s in sfx:
-            if param.endswith(s) and is_weight_param(param[: -len(s)]) and s not in SUFFIXES[layout]:
-                return lay
+        for s in lay.role_of_suffix:
+            if param.endswith(s) and is_weight_param(param[: -len(s)]) and s not in own:
+                return lay.name
     return None
 
 
@@ -167,10 +135,21 @@ def build(index: ShardIndex, qcfg: QuantConfig, model_type: str | None = None) -
                 f"{role} tensor {comp!r} has no data tensor {base!r} (or its packed form)",
                 path=index.entry(comp).file, tensor=comp))
             continue
-        shapes[base] = _logical_shape(index, layout, g)
+        shape = _logical_shape(index, layout, g)
+        if len(shape) >= 2 and 0 in shape and is_weight_param(split_name(_EP.sub("", base))[1]):
+            # a weight with a zero-size dim holds no data, whatever its other dims claim: a
+            # 248-byte header can declare 10^7 experts of 0 rows, and each would get records
+            comp = g["data"]
+            problems.append(ShapeMismatchError(
+                f"weight of shape {list(shape)} holds no elements (a zero-size dimension)",
+                path=index.entry(comp).file, tensor=comp))
+            continue
+        shapes[base] = shape
     stored_q = None
-    if layout == "fp8-block":  # DeepSeek configs name no targets: the scale companions do
-        stored_q = {b: "fp8-block" for b, g in groups.items() if "scale" in g and b in shapes}
+    lay = LAYOUTS[layout]
+    if lay.stored_scope:  # DeepSeek configs name no targets: the scale companions do
+        (codec,) = qcfg.codecs
+        stored_q = {b: codec for b, g in groups.items() if "scale" in g and b in shapes}
     scope = QuantScope.from_config(qcfg, names=shapes, stored=stored_q)
     logicals: dict[str, LogicalSpec] = {}
     for base, shape in shapes.items():
@@ -194,7 +173,7 @@ def _public_scope(scope: QuantScope, layout: str, shapes) -> QuantScope:
 
     def public(codec):
         if codec in FMT_OF_CODEC:
-            return Recipe(FMT_OF_CODEC[codec], STORED_PROFILE[layout])
+            return Recipe(FMT_OF_CODEC[codec], LAYOUTS[layout].profile)
         return codec
 
     stored = None if scope.stored is None else {n: public(c) for n, c in scope.stored.items()}
@@ -206,7 +185,7 @@ def _logical_shape(index: ShardIndex, layout: str, g: dict[str, str]) -> tuple[i
     e = index.entry(g["data"])
     s = e.shape
     if e.dtype == torch.uint8 and "scale" in g and len(s) >= 1:
-        if layout == "gpt-oss" and len(s) >= 2:
+        if LAYOUTS[layout].blocks4d and len(s) >= 2:
             return (*s[:-2], s[-2] * s[-1] * 2)
         return (*s[:-1], s[-1] * 2)
     if e.dtype == torch.int32 and "shape" in g:
@@ -234,7 +213,7 @@ def _stored_codec(index: ShardIndex, g: dict[str, str]) -> str | None:
 
 
 def _family(codec: str | None) -> str | None:
-    return {"nvfp4-ct": "nvfp4", "fp8-block": "fp8"}.get(codec, codec)
+    return CODECS[codec].family if codec in CODECS else codec
 
 
 def _check(index, layout, qcfg, base, g, codec, shape) -> list[CheckpointError]:
@@ -251,14 +230,14 @@ def _check(index, layout, qcfg, base, g, codec, shape) -> list[CheckpointError]:
             return [UncoveredTensorError(f"{what}, but {why} (layout {layout})",
                                          path=index.entry(comp).file, tensor=comp)]
         return []
-    if carried in ROLE_DTYPES and _family(carried) != _family(codec):
+    if carried in CODECS and _family(carried) != _family(codec):
         return [FormatMismatchError(f"config says {codec} but the stored tensors carry "
                                     f"{carried} ({_dtypes(index, g)})", path=path, tensor=base)]
     errs: list[CheckpointError] = []
-    need = ROLE_DTYPES[codec]
+    need = CODECS[codec].roles
     for role in need:
         if role not in g:
-            want = base + SUFFIX_OF_ROLE.get(layout, {}).get(role, f"<{role}>")
+            want = LAYOUTS[layout].companion(base, role)
             errs.append(MissingCompanionError(
                 f"config says {base!r} is {codec}, but its {role} companion {want!r} is missing",
                 path=path, tensor=want))
@@ -284,17 +263,18 @@ def _check_shapes(index, layout, qcfg, base, g, codec, shape) -> list[Checkpoint
                                       f"{list(d.shape)} (expected {list(want)})", path=e.file,
                                       tensor=g[role]))
 
-    if codec in BLOCK_OF_CODEC:
-        b = BLOCK_OF_CODEC[codec]
+    c = CODECS[codec]
+    if c.fmt is not None:
+        b = c.block
         cols = shape[-1]
-        if layout == "gpt-oss" and (len(d.shape) < 3 or d.shape[-1] != b // 2):
-            mismatch("data", d.shape, (*d.shape[:-1], b // 2))
+        if LAYOUTS[layout].blocks4d and (len(d.shape) < 3 or d.shape[-1] != c.bytes_per_block):
+            mismatch("data", d.shape, (*d.shape[:-1], c.bytes_per_block))
         elif cols % b:
             bad.append(ShapeMismatchError(f"{cols} logical columns are not a multiple of the "
                                           f"{b}-wide {codec} block", path=d.file, tensor=g["data"]))
         elif s.shape != (*shape[:-1], cols // b):
             mismatch("scale", s.shape, (*shape[:-1], cols // b))
-        if codec in ("nvfp4", "nvfp4-ct"):
+        if "global_scale" in c.roles:
             gs = index.entry(g["global_scale"])
             if math.prod(gs.shape) != 1:
                 mismatch("global_scale", gs.shape, (1,))
@@ -310,15 +290,16 @@ def _check_shapes(index, layout, qcfg, base, g, codec, shape) -> list[Checkpoint
             mismatch("data", d.shape, (rows, math.ceil(cols * 4 / 32)))
         elif cols % w or s.shape != (rows, cols // w):
             mismatch("scale", s.shape, (rows, cols // w))
-    elif codec == "fp8-block":
-        br, bc = qcfg.weight_block_size
-        want = (math.ceil(d.shape[0] / br), math.ceil(d.shape[1] / bc)) if len(d.shape) == 2 else ()
-        if s.shape != want:
-            mismatch("scale", s.shape, want)
-    elif codec == "fp8":
-        r = d.shape[0] if d.shape else 0
-        blk = _ct_block(qcfg)
-        if blk is not None and len(d.shape) == 2:
+    elif codec in ("fp8-block", "fp8"):
+        # the FP8 decoders read 2-D [out, in] data only: any other rank is refused here, at
+        # open, rather than by the first read
+        if len(d.shape) != 2:
+            bad.append(ShapeMismatchError(f"{codec} data must be 2-D [out, in], got "
+                                          f"{list(d.shape)}", path=d.file, tensor=g["data"]))
+            return bad
+        r = d.shape[0]
+        blk = qcfg.weight_block_size if codec == "fp8-block" else _ct_block(qcfg)
+        if blk is not None:
             want = (math.ceil(d.shape[0] / blk[0]), math.ceil(d.shape[1] / blk[1]))
             if s.shape != want:
                 mismatch("scale", s.shape, want)
@@ -355,11 +336,11 @@ def _spec(index, layout, qcfg, base, g, codec, shape, model_type=None) -> Logica
             return LogicalSpec(base, None, (E, N, K), d.dtype, parts, transposed=True,
                                interleaved=True)
         return LogicalSpec(base, None, d.shape, d.dtype, parts)
-    prof = STORED_PROFILE.get(layout)
-    if codec in BLOCK_OF_CODEC:
-        return LogicalSpec(base, codec, shape, d.dtype, parts, block=BLOCK_OF_CODEC[codec],
-                           blocks4d=layout == "gpt-oss", profile=prof,
-                           interleaved=layout == "gpt-oss")
+    lay, c = LAYOUTS[layout], CODECS[codec]
+    if c.fmt is not None:
+        return LogicalSpec(base, codec, shape, d.dtype, parts, block=c.block,
+                           blocks4d=lay.blocks4d, profile=lay.profile,
+                           interleaved=lay.interleaved)
     if codec == "int4":
         rows, cols = (int(v) for v in index.read(g["shape"]).tolist())
         return LogicalSpec(base, codec, (rows, cols), d.dtype, parts,

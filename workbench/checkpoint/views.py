@@ -11,14 +11,12 @@ ints or slices with any positive step; columns take ints or slices with step 1.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .codecs_extra import decode_fp8_block, decode_fp8_scaled, decode_int4
 from .errors import CheckpointError
 from .index import ShardIndex
-from .layouts import FMT_OF_CODEC, LogicalSpec
+from .layouts import LogicalSpec
+from .registry import CODECS, row_slice
 
 
 def _norm(k, n: int, what: str, allow_step: bool) -> tuple[range, bool]:
@@ -37,10 +35,6 @@ def _norm(k, n: int, what: str, allow_step: bool) -> tuple[range, bool]:
     if r.step <= 0 or (not allow_step and r.step != 1):
         raise IndexError(f"{what} slices need step 1{' or more' if allow_step else ''}, got {k}")
     return r, True
-
-
-def _sl(r: range) -> slice:
-    return slice(r.start, r.start + r.step * len(r), r.step)
 
 
 class LogicalTensor:
@@ -117,7 +111,7 @@ class StoredView(LogicalTensor):
         ks = self._keys(key)
         if self.ndim == 1:
             r, keep = _norm(ks[0], self.shape[0], "column", True)
-            out = self.index.read(self.spec.part("data"), (_sl(r),)) if len(r) else \
+            out = self.index.read(self.spec.part("data"), (row_slice(r),)) if len(r) else \
                 torch.empty(0, dtype=self.spec.stored_dtype)
             out = out if self.keep_dtype else out.to(torch.bfloat16)
             return out if keep else out[0]
@@ -133,7 +127,7 @@ class StoredView(LogicalTensor):
         srows = range(off + stride * rr.start, off + stride * (rr.start + rr.step * len(rr)),
                       stride * rr.step) if len(rr) else range(0)
         lead_sel = ([] if self.lead is None else [slice(self.lead, self.lead + 1)]) + [
-            _sl(r) for r in leads]
+            row_slice(r) for r in leads]
         if any(len(r) == 0 for r in leads) or len(srows) == 0 or len(cr) == 0:
             return torch.empty(self._result_shape(ks), dtype=self.dtype)
         else:
@@ -195,59 +189,12 @@ class StackView(LogicalTensor):
 def decode_region(index: ShardIndex, spec: LogicalSpec, lead: tuple, rows: range, c0: int,
                   c1: int) -> torch.Tensor:
     """Decode stored rows `rows`, logical columns [c0, c1) -> [*lead_kept, len(rows), c1-c0]."""
-    rs = _sl(rows)
-    data = spec.part("data")
-    codec = spec.codec
-    if codec is None:
+    if spec.codec is None:
+        rs, data = row_slice(rows), spec.part("data")
         if spec.transposed:  # stored [..., in, out]: read the column range, rows strided
             return index.read(data, (*lead, slice(c0, c1), rs)).transpose(-1, -2)
         return index.read(data, (*lead, rs, slice(c0, c1)))
-    if codec in FMT_OF_CODEC:
-        from workbench.formats import QuantizedTensor, dequantize
-
-        B = spec.block
-        b0, b1 = c0 // B, math.ceil(c1 / B)
-        per = B // 2 if codec != "mxfp8_e4m3" else B
-        if spec.blocks4d:
-            d = index.read(data, (*lead, rs, slice(b0, b1), slice(None)))
-            d = d.reshape(*d.shape[:-2], -1)
-        else:
-            d = index.read(data, (*lead, rs, slice(b0 * per, b1 * per)))
-        s = index.read(spec.part("scale"), (*lead, rs, slice(b0, b1)))
-        shape = (*d.shape[:-1], (b1 - b0) * B)
-        if codec in ("nvfp4", "nvfp4-ct"):
-            # decode from the global in the library's own stored form (compressed-tensors keeps
-            # 2688/amax, ModelOpt amax/2688): bit-exact with that library's decoder
-            from workbench.formats.nvfp4 import dequantize_nvfp4, from_library_global
-
-            lib = index.read(spec.part("global_scale")).float().reshape(())
-            out = dequantize_nvfp4(d, s, from_library_global(lib, spec.profile), spec.profile,
-                                   torch.bfloat16, library_global=lib)
-        else:
-            if s.dtype == torch.float8_e8m0fnu:
-                s = s.view(torch.uint8)
-            q = QuantizedTensor(FMT_OF_CODEC[codec], spec.profile, d, s, None, shape)
-            out = dequantize(q, torch.bfloat16)
-        return out[..., c0 - b0 * B: c1 - b0 * B]
-    if codec == "int4":
-        G = spec.block
-        g0, g1 = c0 // G, math.ceil(c1 / G)
-        w = index.read(data, (rs, slice(g0 * G // 8, math.ceil(g1 * G / 8))))
-        s = index.read(spec.part("scale"), (rs, slice(g0, g1)))
-        return decode_int4(w, s, G)[..., c0 - g0 * G: c1 - g0 * G]
-    if codec == "fp8-block" or (codec == "fp8" and spec.scale_kind == "block"):
-        br, bc = spec.row_block, spec.block
-        w = index.read(data, (rs, slice(c0, c1)))
-        ridx = torch.tensor(list(rows))
-        sr0 = rows.start // br
-        s = index.read(spec.part("scale"), (slice(sr0, rows[-1] // br + 1),
-                                            slice(c0 // bc, math.ceil(c1 / bc))))
-        math_dtype = torch.float32 if codec == "fp8-block" else s.dtype
-        return decode_fp8_block(w, s[(ridx // br) - sr0], c0, bc, math_dtype)
-    if codec == "fp8":
-        w = index.read(data, (rs, slice(c0, c1)))
-        s = index.read(spec.part("scale"))
-        if spec.scale_kind == "channel":
-            s = s.reshape(-1, 1)[rs]
-        return decode_fp8_scaled(w, s.reshape(-1, 1) if s.dim() else s)
-    raise CheckpointError(f"no decoder for codec {codec!r}", tensor=spec.name)
+    codec = CODECS.get(spec.codec)
+    if codec is None:
+        raise CheckpointError(f"no decoder for codec {spec.codec!r}", tensor=spec.name)
+    return codec.decode(index, spec, lead, rows, c0, c1)

@@ -142,9 +142,14 @@ def quantize_mx(x: torch.Tensor, spec: FormatSpec, profile: str) -> tuple[torch.
         # clamp then cast: torchao's eager path, ModelOpt and compressed-tensors clamp first;
         # Triton's satfinite cast gives the same bytes. NaN survives the clamp.
         v_BK = v_BK.clamp_(-spec.elem_max, spec.elem_max)
+        if prof.sign == "negative":
+            # compressed-tensors adds its (all-zero) zero point after dividing: -0.0 + 0.0 is
+            # +0.0, so a -0.0 quotient is stored as 0x00, not 0x80 (any other value is unchanged)
+            v_BK = v_BK.add_(0.0)
         data_BK = v_BK.to(spec.elem_dtype)
         if any_bad:
-            special = v_bad.clamp(-spec.elem_max, spec.elem_max).to(spec.elem_dtype)
+            special = v_bad.clamp(-spec.elem_max, spec.elem_max)
+            special = (special + 0.0 if prof.sign == "negative" else special).to(spec.elem_dtype)
             if dense:  # where() has no float8 kernel: select the bytes
                 picked = torch.where(bad_B.unsqueeze(-1), special.view(torch.uint8),
                                      data_BK.view(torch.uint8))

@@ -32,6 +32,9 @@ SCALE_RULES = ("floor", "ceil", "even", "rceil", "rceil-float", "even-fp4", "rou
 #   "bits":     sign bit of the scaled fp32 value (torchao, ml_dtypes, triton_kernels)
 #   "negative": only values < 0 after scaling in the input dtype (compressed-tensors: -0.0 -> 0x0)
 #   "not-positive": everything that is not > 0 (ModelOpt export: +0.0 -> 0x8)
+# FP8 elements keep the sign of the scaled value through the cast, except under "negative":
+# compressed-tensors adds its zero point (+0.0) before the cast, so a -0.0 quotient (a -0.0
+# input, or a negative too small for the input dtype after scaling) is written 0x00, not 0x80.
 SIGN_MODES = ("bits", "negative", "not-positive")
 # How a decoder reads E8M0 byte 0xFF; see ``MXProfile.dec_byte255``.
 DEC_BYTE255 = ("nan", "inf", "ldexp")
@@ -138,7 +141,8 @@ PROFILES: dict[str, MXProfile] = {
     # compressed-tensors 0.20.1: generate_mx_scales (round_to_power_2 with the FP4 mantissa width,
     # also for MXFP8) -> 2**(b-127) float scale -> x / scale in the input dtype -> cast_to_fp4
     # (RNE) -> pack_fp4_to_uint8 (sign from signbit after cast_to_fp4 multiplied by sign(x), so
-    # -0.0 -> 0x0 but tiny negatives -> 0x8). Non-finite amax, or an amax that rounds up to
+    # -0.0 -> 0x0 but tiny negatives -> 0x8; MXFP8: the zero point it adds turns -0.0 into
+    # 0x00, see SIGN_MODES). Non-finite amax, or an amax that rounds up to
     # 2^128: undefined (float->int casts); this row writes 0xFF and zeros there. fp16 inputs are
     # taken as their exact fp32 copy (the library would divide by fp16 scales that underflow).
     "compressed-tensors": MXProfile("compressed-tensors", "even-fp4", nan_byte=0xFF, inf_byte=0xFF,
