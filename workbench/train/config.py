@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from workbench.train.resume_config import check_allowed_changes
+
 RECIPES = ("bf16", "mxfp4", "mxfp4+mxfp8", "nvfp4")
 EXPORTS = ("compressed-tensors", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -45,6 +47,7 @@ class TrainConfig:
     run_group: str | None = None
     project: str = "workbench"
     run_name: str | None = None
+    allow_config_change: tuple[str, ...] = ()  # fields --resume may change (resume_config)
 
     def __post_init__(self) -> None:
         if not self.out:
@@ -77,6 +80,7 @@ class TrainConfig:
                              f"recipe {self.recipe!r} has none (use --export bf16)")
         if self.wandb not in WANDB_MODES:
             raise ValueError(f"wandb mode {self.wandb!r} is not one of {WANDB_MODES}")
+        check_allowed_changes(self.allow_config_change)
 
     @property
     def weight_format(self) -> str | None:
