@@ -304,7 +304,9 @@ def save(out: str | Path, model: nn.Module, opt, sched, step: int, info: DistInf
         raise CheckpointError(f"cannot write checkpoint: {_dcp_failure(e)}", path=tmp) from None
     barrier(info)
     try:
-        names = sorted(n for n in os.listdir(tmp) if n != COMPLETE)
+        # rank 0's listing for all: another node's view of a shared folder may lag
+        names = _gather(info, sorted(n for n in os.listdir(tmp) if n != COMPLETE)
+                        if info.is_main else None)[0]
         files = _digests(tmp, names, info)
     except (OSError, CheckpointError) as e:
         _discard(tmp, info)
