@@ -39,6 +39,8 @@ class ResumeConfigError(ValueError):
 
 def check_allowed_changes(names: Iterable[str]) -> None:
     """`TrainConfig.allow_config_change` may name only CHANGEABLE fields."""
+    if isinstance(names, str):
+        raise TypeError(f"allow_config_change must be a tuple of field names, got {names!r}")
     bad = [n for n in names if n not in CHANGEABLE]
     if bad:
         raise ValueError(f"--allow-config-change {','.join(bad)}: only {', '.join(CHANGEABLE)} "
