@@ -10,7 +10,7 @@ import sys
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from workbench.train.cli import main
+from workbench.train.cli import cli
 
 if __name__ == "__main__":
-    main()
+    cli()  # main(), with a refused resume or a bad checkpoint as one line and exit code 2

@@ -86,3 +86,16 @@ def test_global_batch_deterministic_and_sliced_by_rank():
         assert torch.equal(torch.cat([rank_slice(a, r, world) for r in range(world)]), a)
     with pytest.raises(ValueError, match="multiple"):
         rank_slice(a, 0, 3)
+
+
+def test_allow_config_change_names_only_fields_safe_to_change(tmp_path):
+    cfg = config_from_args(["--out", str(tmp_path), "--resume", "--allow-config-change",
+                            "steps, lr"])
+    assert cfg.allow_config_change == ("steps", "lr")
+    for bad in (("preset",), ("seed", "lr"), ("batch",), ("recipe",)):
+        with pytest.raises(ValueError, match="only steps, lr"):
+            TrainConfig(out="x", allow_config_change=bad)
+    with pytest.raises(TypeError):
+        TrainConfig(out="x", allow_config_change="steps")
+    with pytest.raises(SystemExit):
+        config_from_args(["--out", str(tmp_path), "--allow-config-change", "seed"])

@@ -211,3 +211,49 @@ def test_export_refuses_a_scope_that_disagrees(tmp_path):
         export_model(model, tmp_path / "x", fmt="compressed-tensors", recipe="mxfp4",
                      scope=QuantScope.preset("all-linear", "mxfp4"))
     assert not (tmp_path / "x").exists()
+
+
+# -- a crash anywhere in the export's folder swap leaves a state the next export recovers from --
+# The swap: write .tmp-export, rename export -> .old-export, rename .tmp-export -> export,
+# remove .old-export. Each case below is what a SIGKILL at one point of it leaves behind.
+
+def _swap_model():
+    from workbench.model import MoEForCausalLM, tiny
+
+    return MoEForCausalLM(tiny(), seed=1)
+
+
+def _export_files(path):
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+@pytest.mark.parametrize("crash", ["while-writing-tmp", "between-renames", "after-second-rename",
+                                   "while-removing-old"])
+def test_export_recovers_from_a_crash_in_the_swap(tmp_path, crash):
+    model = _swap_model()
+    first = export_model(model, tmp_path / "export")  # the previous, complete export
+    want = _export_files(first)
+    old, tmp = tmp_path / ".old-export", tmp_path / ".tmp-export"
+    if crash == "while-writing-tmp":
+        tmp.mkdir()
+        (tmp / "model-00001-of-00001.safetensors").write_bytes(b"half")
+    elif crash == "between-renames":  # export moved aside, the new one not yet in place
+        os.rename(first, old)
+        tmp.mkdir()
+        (tmp / "config.json").write_text("{}")
+    elif crash == "after-second-rename":  # both complete; the old one not yet removed
+        import shutil
+
+        shutil.copytree(first, old)
+    else:  # part of .old-export already removed
+        old.mkdir()
+        (old / "config.json").write_text("{}")
+    if crash == "between-renames":
+        from workbench.checkpoint.export import recover_swap
+
+        recover_swap(tmp_path / "export")  # what readers get back before any new export
+        assert _export_files(tmp_path / "export") == want and not old.exists()
+        os.rename(tmp_path / "export", old)  # put the crash state back for the export below
+    path = export_model(model, tmp_path / "export")
+    assert _export_files(path) == want  # same model, same bytes: the new export is complete
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # nothing left over

@@ -133,7 +133,7 @@ def test_resumed_run_continues_the_same_wandb_run(tmp_path):
     args += ["--wandb", "offline", "--out", str(out), "--ckpt-every", "0", "--val-every", "0"]
     run(1, [*args, "--steps", "2"])
     stored = (out / "wandb_run_id").read_text().strip()
-    run(1, [*args, "--steps", "4", "--resume"])
+    run(1, [*args, "--steps", "4", "--resume", "--allow-config-change", "steps"])
     assert (out / "wandb_run_id").read_text().strip() == stored
     assert len(run_files(out / "wandb")) == 2  # one segment per attempt
     runs = find_runs(out / "wandb")

@@ -182,6 +182,25 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def recover_swap(out_dir: str | Path) -> None:
+    """Undo what a crash left of an earlier export's swap (`out_dir` -> `.old-*`, `.tmp-*` ->
+    `out_dir`, remove `.old-*`), so the next swap cannot fail on a leftover `.old-*`:
+    - `.old-*` and `out_dir` both present (killed after the second rename, or while `.old-*`
+      was being removed): `out_dir` is the newer complete export; `.old-*` goes;
+    - only `.old-*` (killed between the renames): it is the last complete export; it goes back
+      to `out_dir`, so readers find an export even if this one is killed too.
+    A `.tmp-*` folder is never complete until renamed; the export removes and rewrites it."""
+    out_dir = Path(out_dir)
+    old = out_dir.parent / f".old-{out_dir.name}"
+    if not old.exists():
+        return
+    if out_dir.exists():
+        shutil.rmtree(old)
+    else:
+        os.rename(old, out_dir)
+    fsync_path(out_dir.parent)
+
+
 def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
                  recipe: str | None = None, profile: str | None = None,
                  group: dist.ProcessGroup | None = None, packed: Mapping[str, Any] | None = None,
@@ -248,12 +267,11 @@ def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
                 f.flush()
                 os.fsync(f.fileno())
         old = out_dir.parent / f".old-{out_dir.name}"
+        recover_swap(out_dir)
         if out_dir.exists():
             os.rename(out_dir, old)
         os.rename(tmp, out_dir)
-        fd = os.open(out_dir.parent, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
+        fsync_path(out_dir.parent)
         if old.exists():
             shutil.rmtree(old)
     if group is not None:

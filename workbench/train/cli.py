@@ -3,7 +3,9 @@
     torchrun --nproc-per-node N jobs/qat.py --preset tiny --recipe mxfp4 --steps S --out DIR \\
         [--resume] [--export compressed-tensors|bf16] [--init CKPT] [--seed N] [--ckpt-every N] \\
         [--wandb offline|online|disabled] [--run-group G] [--val-every N] [--batch B] [--seq S] \\
-        [--lr LR] [--profile P] [--keep K] [--[no-]deterministic]
+        [--lr LR] [--profile P] [--keep K] [--[no-]deterministic] \\
+        [--activation-checkpointing full|selective] [--expert-stats-every N] \\
+        [--allow-config-change steps,lr,...]
 
 Runs as one process without torchrun too. Flags left out keep the preset's value.
 """
@@ -16,10 +18,12 @@ import os
 import re
 import secrets
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
 
+from workbench.train.checkpointing import CheckpointError
 from workbench.train.config import (
     ACT_CKPT_MODES,
     EXPORTS,
@@ -28,6 +32,7 @@ from workbench.train.config import (
     TrainConfig,
     preset_config,
 )
+from workbench.train.resume_config import CHANGEABLE, ResumeConfigError, parse_allowed_changes
 
 WANDB_RUN_ID_FILE = "wandb_run_id"
 _RUN_ID_RE = re.compile(r"[a-z0-9]{8,32}")
@@ -49,6 +54,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="run directory (metrics, checkpoints, export)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --out (no-op if none)")
+    p.add_argument("--allow-config-change", type=_allowed_changes, default=(),
+                   metavar="FIELD[,FIELD]",
+                   help="fields --resume may change from the checkpoint's configuration "
+                        f"(any of {','.join(CHANGEABLE)}); others must match")
     p.add_argument("--export", choices=EXPORTS, help="write an HF checkpoint to OUT/export")
     p.add_argument("--init", help="BF16 or packed HF checkpoint to start from")
     p.add_argument("--seed", type=int)
@@ -77,13 +86,21 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _allowed_changes(text: str) -> tuple[str, ...]:
+    try:
+        return parse_allowed_changes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def config_from_args(argv: list[str] | None = None) -> TrainConfig:
     a = parser().parse_args(argv)
     overrides: dict[str, Any] = {f: getattr(a, k) for k, f in _OVERRIDES.items()
                                  if getattr(a, k) is not None}
     return preset_config(a.preset, a.out, recipe=a.recipe, resume=a.resume, export=a.export,
                          init=a.init, wandb=a.wandb, run_group=a.run_group, run_name=a.run_name,
-                         project=a.project, **overrides)
+                         project=a.project, allow_config_change=a.allow_config_change,
+                         **overrides)
 
 
 def _install_signal_handlers() -> dict:
@@ -171,5 +188,15 @@ def main(argv: list[str] | None = None) -> dict:
         distributed.teardown(info)
 
 
+def cli(argv: list[str] | None = None) -> None:
+    """`main` for a terminal: a refused resume or an unusable checkpoint is one line on stderr
+    and exit code 2, not a traceback per rank."""
+    try:
+        main(argv)
+    except (CheckpointError, ResumeConfigError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from workbench.train.resume_config import check_allowed_changes
+
 ACT_CKPT_MODES = ("off", "full", "selective")
 RECIPES = ("bf16", "mxfp4", "mxfp4+mxfp8", "nvfp4")
 EXPORTS = ("compressed-tensors", "bf16")
@@ -50,6 +52,7 @@ class TrainConfig:
     deterministic: bool = False
     activation_checkpointing: str = "off"  # off | full | selective (workbench.train.act_ckpt)
     expert_stats_every: int | None = None  # None: at each validation; 0: off (expert_stats.py)
+    allow_config_change: tuple[str, ...] = ()  # fields --resume may change (resume_config)
 
     def __post_init__(self) -> None:
         if not self.out:
@@ -82,6 +85,7 @@ class TrainConfig:
                              f"recipe {self.recipe!r} has none (use --export bf16)")
         if self.wandb not in WANDB_MODES:
             raise ValueError(f"wandb mode {self.wandb!r} is not one of {WANDB_MODES}")
+        check_allowed_changes(self.allow_config_change)
         if not isinstance(self.deterministic, bool):  # ValueError like the field checks above
             raise ValueError(  # noqa: TRY004
                 f"TrainConfig.deterministic must be a bool, got {self.deterministic!r}")

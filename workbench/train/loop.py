@@ -42,6 +42,7 @@ from workbench.train.expert_stats import ExpertStatsRecorder
 from workbench.train.fqtime import FakeQuantTimer
 from workbench.train.memory import SavedTensorMeter, state_bytes
 from workbench.train.metrics import MetricsWriter, truncate_metrics
+from workbench.train.resume_config import check_resume_config, checkpoint_meta
 
 _stop_requested = False
 
@@ -187,6 +188,8 @@ def check_fresh_start(cfg: TrainConfig) -> None:
         raise FileExistsError(f"{cfg.out} already holds checkpoints of a run "
                               f"(newest step {found[-1].step}); pass --resume "
                               "to continue it, or choose a new --out")
+    if cfg.resume:  # before anything in the run folder is written
+        check_resume_config(cfg)
 
 
 def _write_json_atomic(path: Path, obj: dict) -> None:
@@ -210,14 +213,16 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
         out.mkdir(parents=True, exist_ok=True)
     barrier(info)
     torch.manual_seed(cfg.seed + info.rank)
-    found = ckpt.newest_complete(out) if cfg.resume else None
-    b = build(cfg, info, resuming=found is not None)
+    found = None
+    b = build(cfg, info, resuming=cfg.resume and bool(ckpt.candidates(out)))
     model, opt, sched = b.model, b.opt, b.sched
     corpus = load_corpus()
 
     start = 0
+    if cfg.resume:  # the newest checkpoint that verifies and loads (says which it skipped)
+        found = ckpt.resume(out, model, opt, sched, info)
     if found is not None:
-        start = ckpt.load(found, model, opt, sched, info)
+        start = found.step
         if info.is_main:
             print(f"[train] resumed from {found.path} (step {start})", flush=True)
     if info.is_main:
@@ -228,7 +233,8 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
     if cfg.stats_every:
         stats = ExpertStatsRecorder(model, info, out, resume_step=start if found else None)
     writer = MetricsWriter(out) if info.is_main else None
-    meta = {"recipe": cfg.recipe, "preset": cfg.preset, "seed": cfg.seed}
+    meta = checkpoint_meta(cfg)
+    protect = found.step if found is not None else None  # never pruned by this run
 
     from tqdm.auto import tqdm
 
@@ -269,10 +275,12 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             if cfg.ckpt_every and step % cfg.ckpt_every == 0 and step < cfg.steps:
-                ckpt.save(out, model, opt, sched, step, info, keep=cfg.keep, meta=meta)
+                ckpt.save(out, model, opt, sched, step, info, keep=cfg.keep, meta=meta,
+                          protect=protect)
                 last_saved = step
         if last_saved != step:  # final or preemption checkpoint
-            ckpt.save(out, model, opt, sched, step, info, keep=cfg.keep, meta=meta)
+            ckpt.save(out, model, opt, sched, step, info, keep=cfg.keep, meta=meta,
+                      protect=protect)
     finally:
         if stats is not None:
             stats.close()
