@@ -34,7 +34,8 @@ _OVERRIDES = {"steps": "steps", "seed": "seed", "ckpt_every": "ckpt_every", "val
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jobs/qat.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="tiny", help="model + training preset (tiny, small, ...)")
+    p.add_argument("--preset", help="model + training preset (tiny, small, ...); default: the "
+                   "--init checkpoint's own model (config.json), or tiny without --init")
     p.add_argument("--recipe", default="bf16", choices=RECIPES)
     p.add_argument("--steps", type=int)
     p.add_argument("--out", required=True, help="run directory (metrics, checkpoints, export)")
@@ -63,7 +64,8 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
     a = parser().parse_args(argv)
     overrides: dict[str, Any] = {f: getattr(a, k) for k, f in _OVERRIDES.items()
                                  if getattr(a, k) is not None}
-    return preset_config(a.preset, a.out, recipe=a.recipe, resume=a.resume, export=a.export,
+    name = a.preset if a.preset is not None or a.init else "tiny"
+    return preset_config(name, a.out, recipe=a.recipe, resume=a.resume, export=a.export,
                          init=a.init, wandb=a.wandb, run_group=a.run_group, run_name=a.run_name,
                          project=a.project, **overrides)
 

@@ -19,7 +19,9 @@ WANDB_MODES = ("offline", "online", "disabled")
 @dataclass(frozen=True)
 class TrainConfig:
     out: str
-    preset: str = "tiny"  # model preset of workbench.model.config.PRESETS
+    # Model preset of workbench.model.config.PRESETS; None: the model is the --init
+    # checkpoint's own architecture (its config.json).
+    preset: str | None = "tiny"
     recipe: str = "bf16"
     profile: str | None = None  # codec profile of the weight format (None = format default)
     steps: int = 20
@@ -49,6 +51,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not self.out:
             raise ValueError("TrainConfig.out (the run directory, --out) must be set")
+        if self.preset is None and not self.init:
+            raise ValueError("TrainConfig.preset is None: the model is built from --init CKPT's "
+                             "config.json, so --init must be set (or pass --preset)")
         if self.recipe not in RECIPES:
             raise ValueError(f"recipe {self.recipe!r} is not one of {RECIPES}")
         if self.recipe == "bf16" and self.profile is not None:
@@ -115,7 +120,15 @@ def gpu(out: str, preset: str, **overrides: Any) -> TrainConfig:
                        steps=500, val_every=100, ckpt_every=100).replace(**overrides)
 
 
-def preset_config(name: str, out: str, **overrides: Any) -> TrainConfig:
+def from_checkpoint(out: str, init: str, **overrides: Any) -> TrainConfig:
+    """No preset: the model is the --init checkpoint's; a fine-tune's hyper-parameters."""
+    return TrainConfig(out=out, preset=None, init=init, batch=32, seq=1024, lr=1e-5, warmup=20,
+                       steps=500, val_every=100, ckpt_every=100).replace(**overrides)
+
+
+def preset_config(name: str | None, out: str, **overrides: Any) -> TrainConfig:
+    if name is None:
+        return from_checkpoint(out, **overrides)
     if name == "tiny":
         return tiny(out, **overrides)
     if name == "small":
