@@ -10,7 +10,7 @@ import sys
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from workbench.train.cli import main
+from workbench.train.cli import entry
 
 if __name__ == "__main__":
-    main()
+    entry()

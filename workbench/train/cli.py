@@ -16,6 +16,7 @@ import os
 import re
 import secrets
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,9 @@ _RUN_ID_RE = re.compile(r"[a-z0-9]{8,32}")
 # CLI flag -> TrainConfig field, for the flags whose default comes from the preset.
 _OVERRIDES = {"steps": "steps", "seed": "seed", "ckpt_every": "ckpt_every", "val_every": "val_every",
               "batch": "batch", "seq": "seq", "lr": "lr", "profile": "profile", "keep": "keep",
-              "warmup": "warmup", "grad_clip": "grad_clip"}
+              "warmup": "warmup", "grad_clip": "grad_clip", "tokenizer": "tokenizer",
+              "token_cache": "token_cache", "kd_temperature": "kd_temperature",
+              "kd_weight": "kd_weight", "ce_weight": "ce_weight"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -53,6 +56,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int)
     p.add_argument("--grad-clip", type=float)
     p.add_argument("--profile", help="codec profile of the weight format (e.g. rceil, floor)")
+    p.add_argument("--data", action="append", metavar="PATH",
+                   help="training text (repeatable): .jsonl, .parquet, .txt or folder, "
+                   "datasets.save_to_disk folder, hf:NAME[:CONFIG][:SPLIT]; see docs/data.md")
+    p.add_argument("--val-data", action="append", metavar="PATH",
+                   help="validation text (repeatable); default: hold out the last train sequences")
+    p.add_argument("--tokenizer", help="tokenizer folder (default: the --init folder's)")
+    p.add_argument("--token-cache", help="token cache folder (default: OUT/../.token-cache)")
+    p.add_argument("--distill", action="store_true",
+                   help="distil from the frozen --init model (KL to its logits)")
+    p.add_argument("--kd-temperature", type=float, help="distillation temperature T (default 1)")
+    p.add_argument("--kd-weight", type=float, help="weight of T^2 * KL (default 1)")
+    p.add_argument("--ce-weight", type=float, help="weight of the CE loss (default 0 with "
+                   "--distill; without --distill the loss is CE)")
     p.add_argument("--wandb", default="offline", choices=WANDB_MODES)
     p.add_argument("--run-group", help="wandb group (baseline + QAT runs compared together)")
     p.add_argument("--run-name")
@@ -67,7 +83,8 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
     name = a.preset if a.preset is not None or a.init else "tiny"
     return preset_config(name, a.out, recipe=a.recipe, resume=a.resume, export=a.export,
                          init=a.init, wandb=a.wandb, run_group=a.run_group, run_name=a.run_name,
-                         project=a.project, **overrides)
+                         project=a.project, data=tuple(a.data or ()),
+                         val_data=tuple(a.val_data or ()), distill=a.distill, **overrides)
 
 
 def _install_signal_handlers() -> dict:
@@ -153,5 +170,20 @@ def main(argv: list[str] | None = None) -> dict:
         distributed.teardown(info)
 
 
+def entry(argv: list[str] | None = None) -> dict:
+    """`main` for a terminal: input the user can fix (a bad data file, tokenizer, checkpoint
+    config) prints one line naming it and exits with status 2, not a traceback."""
+    from workbench.model.config import ModelConfigError
+    from workbench.train.datasets import DataError
+    from workbench.train.init import InitError
+    from workbench.train.tokenizer import TokenizerError
+
+    try:
+        return main(argv)
+    except (DataError, TokenizerError, ModelConfigError, InitError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    main()
+    entry()

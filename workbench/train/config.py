@@ -43,6 +43,16 @@ class TrainConfig:
     resume: bool = False
     init: str | None = None  # BF16 or packed HF checkpoint to start from
     export: str | None = None  # None, "compressed-tensors" or "bf16"
+    # Real data (workbench.train.datasets, docs/data.md); none: the shipped byte corpus.
+    data: tuple[str, ...] = ()
+    val_data: tuple[str, ...] = ()  # none: the last train sequences are held out
+    tokenizer: str | None = None  # None: the --init folder's tokenizer
+    token_cache: str | None = None  # None: <parent of out>/.token-cache
+    # Distillation from the frozen --init model (workbench.train.distill).
+    distill: bool = False
+    kd_temperature: float = 1.0
+    kd_weight: float = 1.0
+    ce_weight: float = 0.0
     wandb: str = "offline"
     run_group: str | None = None
     project: str = "workbench"
@@ -54,6 +64,18 @@ class TrainConfig:
         if self.preset is None and not self.init:
             raise ValueError("TrainConfig.preset is None: the model is built from --init CKPT's "
                              "config.json, so --init must be set (or pass --preset)")
+        for name in ("data", "val_data"):
+            v = getattr(self, name)
+            if not isinstance(v, tuple) or not all(isinstance(x, str) and x for x in v):
+                raise TypeError(f"TrainConfig.{name} must be a tuple of paths, got {v!r}")
+        if self.val_data and not self.data:
+            raise ValueError("--val-data needs --data (the byte corpus has its own val split)")
+        if self.distill and not self.init:
+            raise ValueError("--distill needs --init CKPT: the teacher is the frozen --init model")
+        if not self.kd_temperature > 0 or self.kd_weight < 0 or self.ce_weight < 0:
+            raise ValueError("--kd-temperature must be > 0, --kd-weight and --ce-weight >= 0")
+        if self.distill and self.kd_weight == 0 and self.ce_weight == 0:
+            raise ValueError("--distill with --kd-weight 0 and --ce-weight 0 has no objective")
         if self.recipe not in RECIPES:
             raise ValueError(f"recipe {self.recipe!r} is not one of {RECIPES}")
         if self.recipe == "bf16" and self.profile is not None:

@@ -32,12 +32,15 @@ from typing import Any
 import torch
 
 from workbench.train import checkpointing as ckpt
+from workbench.train import distill
 from workbench.train.build import build
 from workbench.train.config import TrainConfig
-from workbench.train.data import global_batch, load_corpus, rank_slice
+from workbench.train.data import global_batch, rank_slice
+from workbench.train.datasets import DATA_JSON, load_train_data
 from workbench.train.distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier
 from workbench.train.fqtime import FakeQuantTimer
 from workbench.train.metrics import MetricsWriter, truncate_metrics
+from workbench.train.tokenizer import copy_tokenizer
 
 _stop_requested = False
 
@@ -128,9 +131,11 @@ def validate(model, val_tokens: torch.Tensor, cfg: TrainConfig, info: DistInfo) 
 
 
 def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, info: DistInfo,
-               step: int, fq_timer: FakeQuantTimer | None = None) -> dict[str, Any]:
+               step: int, fq_timer: FakeQuantTimer | None = None, teacher=None
+               ) -> dict[str, Any]:
     """One optimizer step on the global batch of `step` (this rank's slice); returns its metrics.
-    With an entered `fq_timer`, the record has `fake_quant_share` too."""
+    With an entered `fq_timer`, the record has `fake_quant_share` too; with a `teacher`
+    (workbench.train.distill) the objective is the distillation one and the record has `kl`."""
     from workbench.model import sync_gradients
 
     timing = fq_timer is not None and fq_timer.available
@@ -139,9 +144,15 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
     t0 = time.perf_counter()
     tok_BS = rank_slice(global_batch(train_tokens, seed=cfg.seed, index=step, batch=cfg.batch,
                                      seq=cfg.seq), info.rank, info.world).to(info.device)
+    kl = []
     with _autocast(info):
         res = model(tok_BS, labels_BS=tok_BS)
-    res.loss.backward()
+        objective = res.loss
+        if teacher is not None:
+            objective, kl_t = distill.objective(res, teacher, tok_BS, cfg,
+                                                model.config.aux_loss_coef)
+            kl = [float(kl_t)]
+    objective.backward()
     if info.group is not None:
         sync_gradients(model, info.group)
     norm = global_grad_norm(model, info)
@@ -153,7 +164,7 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
     ce = float(res.ce_loss.detach())  # the step's host synchronisation
     share = fq_timer.take()[0] / (time.perf_counter() - t0) if timing else 0.0
     # One all-reduce for both means; the loss's sum is the same as alone (elementwise).
-    loss, share = _means_over_ranks([ce, share], info)
+    loss, share, *kl = _means_over_ranks([ce, share, *kl], info)
     dt = time.perf_counter() - t0
     rec = {
         "step": step, "loss": loss, "grad_norm": float(norm), "lr": lr,
@@ -163,6 +174,8 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
     }
     if timing:
         rec["fake_quant_share"] = share
+    if kl:
+        rec["kl"] = kl[0]
     return rec
 
 
@@ -199,7 +212,8 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
     found = ckpt.newest_complete(out) if cfg.resume else None
     b = build(cfg, info, resuming=found is not None)
     model, opt, sched = b.model, b.opt, b.sched
-    corpus = load_corpus()
+    corpus = load_train_data(cfg, info, model.config.vocab_size)
+    teacher = distill.build_teacher(cfg, info) if cfg.distill else None
 
     start = 0
     if found is not None:
@@ -209,6 +223,8 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
     if info.is_main:
         truncate_metrics(out, start) if cfg.resume else (out / "metrics.jsonl").unlink(
             missing_ok=True)
+    if info.is_main and corpus.info:
+        _write_json_atomic(out / DATA_JSON, corpus.info)
     barrier(info)
     writer = MetricsWriter(out) if info.is_main else None
     meta = {"recipe": cfg.recipe, "preset": cfg.preset, "seed": cfg.seed}
@@ -229,10 +245,14 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
                 stopped = True
                 break
             step += 1
-            rec = train_step(model, opt, sched, corpus.train, cfg, info, step, fq_timer)
+            rec = train_step(model, opt, sched, corpus.train, cfg, info, step, fq_timer, teacher)
             loss = rec["loss"]
             if cfg.val_every and (step % cfg.val_every == 0 or step == cfg.steps):
-                rec["val_loss"] = validate(model, corpus.val, cfg, info)
+                if teacher is not None:
+                    rec.update(distill.validate(model, teacher, corpus.val, cfg, info,
+                                                lambda: _autocast(info)))
+                else:
+                    rec["val_loss"] = validate(model, corpus.val, cfg, info)
             if not math.isfinite(loss):
                 rec["diverged"] = True
             if info.is_main:
@@ -267,6 +287,8 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
         path = export_model(model, out / "export", fmt=cfg.export, recipe=cfg.recipe,
                             profile=cfg.profile, group=info.group)
         result["export"] = str(path)
+        if info.is_main and corpus.info:  # the export is usable with its own tokenizer
+            copy_tokenizer(corpus.info["tokenizer"], path)
     if info.is_main:
         _write_json_atomic(out / "result.json", result)
     barrier(info)
