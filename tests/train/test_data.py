@@ -204,3 +204,15 @@ def test_cli_bad_data_exits_2_with_one_line(tmp_path, model_dir, texts, tok_dir,
     out = tmp_path / "run"
     assert not (out / "result.json").exists() and not (out / "checkpoints").exists()
     assert not (out / "metrics.jsonl").exists() and not (out / "data.json").exists()
+
+
+def test_char_bpe_of_the_demo_fits_256_rows_and_is_lossless(tmp_path, texts):
+    from workbench.train.tokenizer import train_bpe
+
+    tok = load_tokenizer(train_bpe(texts, tmp_path / "t", vocab_size=256, byte_level=False))
+    assert tok.vocab_size == 256 and tok.hf.eos_token == "<|endoftext|>"
+    check_fits(tok, 256)
+    ids = tok.encode(texts[0])
+    assert len(ids) < 0.8 * len(texts[0])  # merges were learned: fewer tokens than characters
+    assert tok.hf.decode(ids) == texts[0]
+    assert tok.hf.unk_token_id not in ids

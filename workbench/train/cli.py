@@ -38,7 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jobs/qat.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", help="model + training preset (tiny, small, ...); default: the "
-                   "--init checkpoint's own model (config.json), or tiny without --init")
+                   "--init checkpoint's own model (config.json; also: --preset checkpoint), or tiny "
+                   "without --init")
     p.add_argument("--recipe", default="bf16", choices=RECIPES)
     p.add_argument("--steps", type=int)
     p.add_argument("--out", required=True, help="run directory (metrics, checkpoints, export)")
@@ -80,7 +81,10 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
     a = parser().parse_args(argv)
     overrides: dict[str, Any] = {f: getattr(a, k) for k, f in _OVERRIDES.items()
                                  if getattr(a, k) is not None}
-    name = a.preset if a.preset is not None or a.init else "tiny"
+    # "--preset checkpoint" says explicitly what leaving --preset out says with --init (for
+    # launchers that always pass a preset): the model is the --init checkpoint's own.
+    name = None if a.preset == "checkpoint" else a.preset if a.preset is not None or a.init \
+        else "tiny"
     return preset_config(name, a.out, recipe=a.recipe, resume=a.resume, export=a.export,
                          init=a.init, wandb=a.wandb, run_group=a.run_group, run_name=a.run_name,
                          project=a.project, data=tuple(a.data or ()),

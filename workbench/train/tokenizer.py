@@ -99,3 +99,35 @@ def copy_tokenizer(src: str | Path, dst: str | Path) -> list[str]:
         os.replace(tmp, Path(dst) / f.name)
         names.append(f.name)
     return names
+
+
+def train_bpe(texts, folder: str | Path, *, vocab_size: int, byte_level: bool = True) -> Path:
+    """Train a BPE tokenizer on `texts` with the `tokenizers` library and save it as a
+    transformers tokenizer folder (tokenizer.json + tokenizer_config.json, EOS `<|endoftext|>`,
+    a ChatML chat template). `byte_level=False` gives a character-level BPE (unknown characters
+    map to `<unk>`), which fits vocabularies of 256 and less (byte-level needs 256 + specials)."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as RawTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + ([] if byte_level else ["<unk>"])
+    if byte_level:
+        tk = RawTokenizer(models.BPE())
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tk.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    else:
+        tk = RawTokenizer(models.BPE(unk_token="<unk>"))
+        # Words, whitespace runs and punctuation runs, every character kept (lossless).
+        tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"\s+|\w+|[^\w\s]+"), behavior="isolated")
+        tk.decoder = decoders.Fuse()
+        alphabet = []
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=alphabet, show_progress=False)
+    tk.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>",
+                                   unk_token=None if byte_level else "<unk>")
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                          "<|im_end|>\n{% endfor %}")
+    fast.save_pretrained(str(folder))
+    return Path(folder)
