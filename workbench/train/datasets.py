@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
+import torch.distributed as dist
 
 from workbench.train.data import PackedSplit
-from workbench.train.distributed import DistInfo, all_reduce_sum, barrier
+from workbench.train.distributed import DistInfo
 from workbench.train.tokenizer import Tokenizer, TokenizerError, check_fits, load_tokenizer
 
 FORMAT_VERSION = 1
@@ -416,16 +416,17 @@ def load_train_data(cfg, info: DistInfo, vocab_rows: int) -> TrainData:
                 _check_same_data(Path(cfg.out), meta)
         except (DataError, TokenizerError, OSError) as e:
             error = e
-    # Every rank learns of rank 0's failure instead of waiting in the barrier forever.
-    failed = all_reduce_sum(torch.tensor([1.0 if error is not None else 0.0],
-                                         device=info.device), info)
+    if info.group is not None:
+        # Rank 0's result (or its error's text) reaches every rank, so no rank re-reads or
+        # re-hashes the data and none waits forever after a failure on rank 0. The object is
+        # our own dict of str/int (pickled between this job's ranks, never read from a file).
+        box = [(meta, None if error is None else f"{type(error).__name__}: {error}")]
+        dist.broadcast_object_list(box, src=0, group=info.group, device=info.device)
+        meta, message = box[0]
+        if message is not None and error is None:
+            raise DataError(f"rank 0 could not prepare the data: {message}")
     if error is not None:
         raise error
-    if failed.item() > 0:
-        raise DataError("rank 0 could not prepare the data (its error says why)")
-    barrier(info)
-    if not info.is_main:
-        meta = _prepare(cfg, vocab_rows, show_progress=False)  # cache hit: opens rank 0's files
     train_tokens = TokenFile(Path(meta["train_cache"]), meta["train_tokens"],
                              meta["train_records"], {}).memmap()
     L = meta["seq_len"]

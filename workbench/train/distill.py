@@ -52,7 +52,9 @@ def build_teacher(cfg, info: DistInfo) -> nn.Module:
     load_init(cfg.init, teacher, info)
     teacher.requires_grad_(False)
     if info.device.type == "cuda":
-        teacher.to(torch.bfloat16)
+        # Parameters only: the RoPE inverse frequencies (a buffer) stay fp32, as the student's.
+        for p in teacher.parameters():
+            p.data = p.data.to(torch.bfloat16)
     return teacher.eval()
 
 
