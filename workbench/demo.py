@@ -4,7 +4,8 @@
 1. a ``small``-preset model whose routed experts are given the structure real experts show —
    heavy tails that differ by expert, outlier input channels, a few badly conditioned experts —
    written as a BF16 Hugging Face checkpoint (``init/``, also the reference for analysis);
-2. a short MXFP4 QAT run of the workbench trainer from that checkpoint on the shipped corpus;
+2. a short MXFP4 QAT run of the workbench trainer from that checkpoint on the shipped corpus,
+   tokenized by a tokenizer trained on it here and saved next to the weights (``init/``);
 3. the trainer's compressed-tensors MXFP4 export (``run/export/``): genuinely trained weights.
 """
 
@@ -62,13 +63,33 @@ def _write_init(path: Path, seed: int) -> None:
     export_model(model, path, fmt="bf16")
 
 
+def _write_tokenizer_and_text(init: Path, data: Path) -> dict[str, Path]:
+    """The same path a real model takes, with nothing downloaded: a tokenizer trained here on the
+    shipped corpus, saved next to the weights (character-level BPE, 256 tokens = the small
+    preset's embedding), and the corpus' train/val splits as text files for --data/--val-data."""
+    from workbench.train.data import load_corpus
+    from workbench.train.tokenizer import train_bpe
+
+    corpus = load_corpus()
+    data.mkdir(parents=True)
+    paths = {}
+    for split in ("train", "val"):
+        paths[split] = data / f"{split}.txt"
+        paths[split].write_bytes(bytes(corpus.split(split).numpy()))
+    text = paths["train"].read_text(encoding="utf-8")
+    train_bpe([text[i:i + 10_000] for i in range(0, min(len(text), 2_000_000), 10_000)], init,
+              vocab_size=256, byte_level=False)
+    return paths
+
+
 def demo_checkpoint(root: str | os.PathLike | None = None, *, steps: int = 24, seed: int = 0,
                     force: bool = False) -> DemoCheckpoint:
     """Build (once) and return the embedded default checkpoint."""
     root = Path(root) if root is not None else DEFAULT_ROOT
     d = DemoCheckpoint(root, root / "init", root / "run", root / "run" / "export")
     stamp = root / "demo.json"
-    want = {"preset": PRESET, "steps": steps, "seed": seed, "recipe": "mxfp4", "lr": 1e-4}
+    want = {"preset": PRESET, "steps": steps, "seed": seed, "recipe": "mxfp4", "lr": 1e-4,
+            "tokenizer": "char-bpe-256"}
     if not force and stamp.exists() and json.loads(stamp.read_text()) == want and d.packed.exists():
         return d
     if root.exists():
@@ -76,12 +97,14 @@ def demo_checkpoint(root: str | os.PathLike | None = None, *, steps: int = 24, s
     root.mkdir(parents=True)
     print(f"building the demo checkpoint in {root} (once; a few minutes on CPU)")
     _write_init(d.init, seed)
+    data = _write_tokenizer_and_text(d.init, root / "data")
     from workbench.train.cli import main as train
 
     train(["--preset", PRESET, "--recipe", "mxfp4", "--steps", str(steps), "--seed", str(seed),
            "--batch", "8", "--seq", "64", "--lr", "1e-4", "--warmup", "4",
            "--val-every", str(max(1, steps // 3)),
            "--ckpt-every", str(steps), "--init", str(d.init), "--out", str(d.run),
-           "--export", "compressed-tensors", "--wandb", "disabled"])
+           "--export", "compressed-tensors", "--wandb", "disabled",
+           "--data", str(data["train"]), "--val-data", str(data["val"])])
     stamp.write_text(json.dumps(want))
     return d

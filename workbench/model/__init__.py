@@ -9,7 +9,10 @@ then `sync_gradients(model, group)` after backward.
 """
 
 from workbench.model.config import (
+    SUPPORTED_ARCHITECTURES,
+    ModelConfigError,
     MoEConfig,
+    from_checkpoint,
     from_hf_config,
     k3_like,
     preset,
@@ -38,9 +41,10 @@ from workbench.model.router import TopKRouter, load_balancing_loss
 from workbench.model.transformer import IGNORE_INDEX, MoEForCausalLM, MoEOutput
 
 __all__ = [
-    "IGNORE_INDEX", "AllToAllDispatcher", "GroupedExperts", "LocalDispatcher", "MoEBlock",
-    "MoEConfig", "MoEForCausalLM", "MoEOutput", "StateDictError", "TopKRouter",
-    "from_hf_config", "hf_to_ours", "install_expert_parallel", "is_expert_param", "k3_like",
-    "load_balancing_loss", "load_hf_state_dict", "ours_to_hf", "preset", "qwen3_30b_a3b_like",
-    "shard_experts_", "small", "sync_gradients", "tiny", "to_hf_config", "to_hf_state_dict",
+    "IGNORE_INDEX", "SUPPORTED_ARCHITECTURES", "AllToAllDispatcher", "GroupedExperts",
+    "LocalDispatcher", "MoEBlock", "MoEConfig", "MoEForCausalLM", "MoEOutput", "ModelConfigError",
+    "StateDictError", "TopKRouter", "from_checkpoint", "from_hf_config", "hf_to_ours",
+    "install_expert_parallel", "is_expert_param", "k3_like", "load_balancing_loss",
+    "load_hf_state_dict", "ours_to_hf", "preset", "qwen3_30b_a3b_like", "shard_experts_", "small",
+    "sync_gradients", "tiny", "to_hf_config", "to_hf_state_dict",
 ]

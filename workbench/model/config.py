@@ -8,7 +8,9 @@ which Qwen3-MoE itself does not have.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 # Every reduction dimension a block-scaled format touches (hidden for w1/w3, expert FFN for w2)
@@ -147,8 +149,10 @@ def from_hf_config(hf: Any) -> MoEConfig:
     model_type = get("model_type")
     if model_type not in (None, "qwen3_moe"):
         raise ValueError(f"from_hf_config expects a qwen3_moe config, got model_type={model_type!r}")
-    rope = get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", "default")
+    # transformers 5 writes `rope_parameters`; checkpoints from transformers 4 (the released
+    # Qwen3-MoE configs) have a top-level `rope_theta` and `rope_scaling` (null = default RoPE).
+    rope = get("rope_parameters") or get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default' RoPE)")
     if get("use_sliding_window", False):
@@ -198,3 +202,63 @@ def to_hf_config(cfg: MoEConfig) -> Any:
         initializer_range=cfg.init_std, hidden_act="silu", attention_bias=False,
         use_sliding_window=False, architectures=["Qwen3MoeForCausalLM"],
     )
+
+
+# Architectures whose config.json maps onto this model (transformers' class names).
+SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+
+
+class ModelConfigError(ValueError):
+    """A checkpoint's config.json does not describe a model this workbench can build; the
+    message names the file and the field."""
+
+
+def from_checkpoint(path: str | Path) -> MoEConfig:
+    """The MoEConfig of the checkpoint folder `path` (its config.json), without reading weights.
+
+    Any Qwen3-MoE-family config (`architectures: ["Qwen3MoeForCausalLM"]` or
+    `model_type: "qwen3_moe"`, any size) maps; another architecture is an error naming it.
+    `quantization_config` (packed checkpoints) describes the stored weights, not the model, and
+    is left to the checkpoint reader."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise ModelConfigError(f"{file}: not found (a checkpoint folder needs its config.json "
+                               "to build the model; or pass --preset)")
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelConfigError(f"{file}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    return config_from_dict(raw, source=str(file))
+
+
+def config_from_dict(raw: dict[str, Any], *, source: str = "config.json") -> MoEConfig:
+    """`from_checkpoint` on an already parsed config.json dict (no file access)."""
+    archs = raw.get("architectures") or []
+    model_type = raw.get("model_type")
+    if not isinstance(archs, list):
+        raise ModelConfigError(f"{source}: 'architectures' must be a list, got {archs!r}")
+    unsupported = [a for a in archs if a not in SUPPORTED_ARCHITECTURES]
+    if unsupported or (not archs and model_type != "qwen3_moe"):
+        name = unsupported[0] if unsupported else f"model_type={model_type!r}"
+        raise ModelConfigError(f"{source}: architecture {name} is not supported; the workbench "
+                               f"builds {', '.join(SUPPORTED_ARCHITECTURES)} (model_type "
+                               "'qwen3_moe')")
+    if model_type not in (None, "qwen3_moe"):
+        raise ModelConfigError(f"{source}: model_type {model_type!r} does not match architecture "
+                               f"{archs[0]} (expected 'qwen3_moe')")
+    required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "moe_intermediate_size", "num_experts_per_tok",
+                "rms_norm_eps", "max_position_embeddings")
+    missing = [k for k in required if raw.get(k) is None]
+    if raw.get("num_experts") is None and raw.get("num_local_experts") is None:
+        missing.append("num_experts")
+    if missing:
+        raise ModelConfigError(f"{source}: missing field(s) {missing}")
+    # Absent fields take Qwen3MoeConfig's defaults (transformers 5.24), as transformers would.
+    raw = {"router_aux_loss_coef": 0.001, "norm_topk_prob": False, **raw}
+    try:
+        return from_hf_config(raw)
+    except (TypeError, ValueError) as e:
+        raise ModelConfigError(f"{source}: {e}") from e

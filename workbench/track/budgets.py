@@ -182,6 +182,73 @@ class NoDivergence:
                        f"worst window mean {worst:.3g}x the best so far, at step {at}")
 
 
+# --- distillation (runs with --distill log val_kl and teacher_val_loss) -------------------
+
+@dataclass(frozen=True)
+class ValKLBelow:
+    """The newest logged `val_kl` (KL(teacher || student) per token, T=1) is at most `limit`."""
+
+    limit: float
+
+    def __post_init__(self) -> None:
+        _positive("ValKLBelow", limit=self.limit)
+
+    @property
+    def name(self) -> str:
+        return f"val_kl <= {self.limit:g}"
+
+    def evaluate(self, run: pd.DataFrame, baseline: pd.DataFrame | None) -> Verdict:
+        c = _col(run, "val_kl")
+        if not len(c):
+            return Verdict(self.name, math.nan, self.limit, None, "val_kl not logged (--distill)")
+        step, v = int(c["step"].iloc[-1]), float(c["val_kl"].iloc[-1])
+        return Verdict(self.name, v, self.limit, math.isfinite(v) and v <= self.limit,
+                       f"step {step}: val_kl {v:.4g}")
+
+
+def recovery(run: pd.DataFrame) -> tuple[float, str]:
+    """Fraction of the student's gap to the teacher closed since the first validation:
+
+        1 - (val_loss_now - teacher_val_loss_now) / (val_loss_first - teacher_val_loss_first)
+
+    1 = the student reached the teacher's validation loss, 0 = no progress since the first
+    validation, < 0 = it fell further behind. NaN (with why) until two validations exist; a
+    first gap <= 0 (the student already at or below the teacher) counts as fully recovered."""
+    v, t = _col(run, "val_loss"), _col(run, "teacher_val_loss")
+    both = v.merge(t, on="step")
+    if len(both) < 2:
+        return math.nan, f"{len(both)} validation(s) with teacher_val_loss; need 2"
+    first, now = both.iloc[0], both.iloc[-1]
+    gap0 = float(first["val_loss"] - first["teacher_val_loss"])
+    gap = float(now["val_loss"] - now["teacher_val_loss"])
+    where = f"gap {gap0:.4g} at step {int(first['step'])} -> {gap:.4g} at step {int(now['step'])}"
+    if not math.isfinite(gap):
+        return -math.inf, where
+    return (1.0 if gap0 <= 0 else 1.0 - gap / gap0), where
+
+
+@dataclass(frozen=True)
+class RecoveryAtLeast:
+    """`recovery(run)` (see there) is at least `fraction`."""
+
+    fraction: float
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.fraction, (int, float)) and self.fraction <= 1):
+            raise ValueError(f"RecoveryAtLeast: fraction must be a number <= 1, got "
+                             f"{self.fraction!r}")
+
+    @property
+    def name(self) -> str:
+        return f"recovery >= {self.fraction:g}"
+
+    def evaluate(self, run: pd.DataFrame, baseline: pd.DataFrame | None) -> Verdict:
+        r, detail = recovery(run)
+        if math.isnan(r):
+            return Verdict(self.name, r, self.fraction, None, detail)
+        return Verdict(self.name, r, self.fraction, r >= self.fraction, detail)
+
+
 # --- performance -------------------------------------------------------------------------
 
 def _median_after(df: pd.DataFrame, column: str, warmup: int) -> tuple[float, int]:

@@ -35,15 +35,25 @@ def lr_factor(i: int, *, warmup: int, steps: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def model_config(cfg: TrainConfig):
+    """The model's MoEConfig: the preset's, or (no preset) the --init checkpoint's config.json.
+    max_seq_len grows to --seq when a run trains on longer sequences than the preset lists."""
+    from workbench.model import from_checkpoint, preset
+
+    mcfg = preset(cfg.preset) if cfg.preset is not None else from_checkpoint(cfg.init)
+    return mcfg.replace(max_seq_len=max(cfg.seq, mcfg.max_seq_len))
+
+
 def build_model(cfg: TrainConfig, info: DistInfo, *, overwritten: bool = False) -> nn.Module:
     """`overwritten`: every parameter is about to be loaded (--init or a checkpoint), so the
     seeded initialisation (drawn on CPU, seconds per billion parameters) is skipped and the
     parameters are left uninitialised; the loaders fail on any tensor they cannot fill."""
-    from workbench.model import MoEForCausalLM, preset
+    from workbench.model import MoEForCausalLM
 
-    mcfg = preset(cfg.preset, max_seq_len=max(cfg.seq, preset(cfg.preset).max_seq_len))
+    mcfg = model_config(cfg)
     if mcfg.num_experts % info.world:
-        raise ValueError(f"preset {cfg.preset!r} has {mcfg.num_experts} experts, which do not "
+        what = f"preset {cfg.preset!r}" if cfg.preset else f"--init {cfg.init}"
+        raise ValueError(f"{what} has {mcfg.num_experts} experts, which do not "
                          f"split over EP size {info.world} (EP size = world size)")
     if not overwritten:
         return MoEForCausalLM(mcfg, seed=cfg.seed, ep_group=info.group, device=info.device,

@@ -23,6 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from workbench.model.config import ModelConfigError
 from workbench.train.checkpointing import CheckpointError
 from workbench.train.config import (
     ACT_CKPT_MODES,
@@ -32,7 +33,10 @@ from workbench.train.config import (
     TrainConfig,
     preset_config,
 )
+from workbench.train.datasets import DataError
+from workbench.train.init import InitError
 from workbench.train.resume_config import CHANGEABLE, ResumeConfigError, parse_allowed_changes
+from workbench.train.tokenizer import TokenizerError
 
 WANDB_RUN_ID_FILE = "wandb_run_id"
 _RUN_ID_RE = re.compile(r"[a-z0-9]{8,32}")
@@ -42,13 +46,17 @@ _OVERRIDES = {"steps": "steps", "seed": "seed", "ckpt_every": "ckpt_every", "val
               "batch": "batch", "seq": "seq", "lr": "lr", "profile": "profile", "keep": "keep",
               "warmup": "warmup", "grad_clip": "grad_clip", "deterministic": "deterministic",
               "activation_checkpointing": "activation_checkpointing",
-              "expert_stats_every": "expert_stats_every"}
+              "expert_stats_every": "expert_stats_every", "tokenizer": "tokenizer",
+              "token_cache": "token_cache", "kd_temperature": "kd_temperature",
+              "kd_weight": "kd_weight", "ce_weight": "ce_weight"}
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jobs/qat.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="tiny", help="model + training preset (tiny, small, ...)")
+    p.add_argument("--preset", help="model + training preset (tiny, small, ...); default: the "
+                   "--init checkpoint's own model (config.json; also: --preset checkpoint), or tiny "
+                   "without --init")
     p.add_argument("--recipe", default="bf16", choices=RECIPES)
     p.add_argument("--steps", type=int)
     p.add_argument("--out", required=True, help="run directory (metrics, checkpoints, export)")
@@ -70,6 +78,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int)
     p.add_argument("--grad-clip", type=float)
     p.add_argument("--profile", help="codec profile of the weight format (e.g. rceil, floor)")
+    p.add_argument("--data", action="append", metavar="PATH",
+                   help="training text (repeatable): .jsonl, .parquet, .txt or folder, "
+                   "datasets.save_to_disk folder, hf:NAME[:CONFIG][:SPLIT]; see docs/data.md")
+    p.add_argument("--val-data", action="append", metavar="PATH",
+                   help="validation text (repeatable); default: hold out the last train sequences")
+    p.add_argument("--tokenizer", help="tokenizer folder (default: the --init folder's)")
+    p.add_argument("--token-cache", help="token cache folder (default: OUT/../.token-cache)")
+    p.add_argument("--distill", action="store_true",
+                   help="distil from the frozen --init model (KL to its logits)")
+    p.add_argument("--kd-temperature", type=float, help="distillation temperature T (default 1)")
+    p.add_argument("--kd-weight", type=float, help="weight of T^2 * KL (default 1)")
+    p.add_argument("--ce-weight", type=float, help="weight of the CE loss (default 0 with "
+                   "--distill; without --distill the loss is CE)")
     p.add_argument("--wandb", default="offline", choices=WANDB_MODES)
     p.add_argument("--run-group", help="wandb group (baseline + QAT runs compared together)")
     p.add_argument("--run-name")
@@ -97,10 +118,15 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
     a = parser().parse_args(argv)
     overrides: dict[str, Any] = {f: getattr(a, k) for k, f in _OVERRIDES.items()
                                  if getattr(a, k) is not None}
-    return preset_config(a.preset, a.out, recipe=a.recipe, resume=a.resume, export=a.export,
+    # "--preset checkpoint" says explicitly what leaving --preset out says with --init (for
+    # launchers that always pass a preset): the model is the --init checkpoint's own.
+    name = None if a.preset == "checkpoint" else a.preset if a.preset is not None or a.init \
+        else "tiny"
+    return preset_config(name, a.out, recipe=a.recipe, resume=a.resume, export=a.export,
                          init=a.init, wandb=a.wandb, run_group=a.run_group, run_name=a.run_name,
                          project=a.project, allow_config_change=a.allow_config_change,
-                         **overrides)
+                         data=tuple(a.data or ()), val_data=tuple(a.val_data or ()),
+                         distill=a.distill, **overrides)
 
 
 def _install_signal_handlers() -> dict:
@@ -188,12 +214,14 @@ def main(argv: list[str] | None = None) -> dict:
         distributed.teardown(info)
 
 
-def cli(argv: list[str] | None = None) -> None:
-    """`main` for a terminal: a refused resume or an unusable checkpoint is one line on stderr
-    and exit code 2, not a traceback per rank."""
+def cli(argv: list[str] | None = None) -> dict:
+    """`main` for a terminal: input the user can fix (a refused resume, an unusable checkpoint,
+    a bad data file, tokenizer or model config) is one line on stderr naming it and exit code 2,
+    not a traceback per rank."""
     try:
-        main(argv)
-    except (CheckpointError, ResumeConfigError) as e:
+        return main(argv)
+    except (CheckpointError, ResumeConfigError, DataError, TokenizerError, ModelConfigError,
+            InitError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 

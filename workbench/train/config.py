@@ -22,7 +22,9 @@ WANDB_MODES = ("offline", "online", "disabled")
 @dataclass(frozen=True)
 class TrainConfig:
     out: str
-    preset: str = "tiny"  # model preset of workbench.model.config.PRESETS
+    # Model preset of workbench.model.config.PRESETS; None: the model is the --init
+    # checkpoint's own architecture (its config.json).
+    preset: str | None = "tiny"
     recipe: str = "bf16"
     profile: str | None = None  # codec profile of the weight format (None = format default)
     steps: int = 20
@@ -44,6 +46,16 @@ class TrainConfig:
     resume: bool = False
     init: str | None = None  # BF16 or packed HF checkpoint to start from
     export: str | None = None  # None, "compressed-tensors" or "bf16"
+    # Real data (workbench.train.datasets, docs/data.md); none: the shipped byte corpus.
+    data: tuple[str, ...] = ()
+    val_data: tuple[str, ...] = ()  # none: the last train sequences are held out
+    tokenizer: str | None = None  # None: the --init folder's tokenizer
+    token_cache: str | None = None  # None: <parent of out>/.token-cache
+    # Distillation from the frozen --init model (workbench.train.distill).
+    distill: bool = False
+    kd_temperature: float = 1.0
+    kd_weight: float = 1.0
+    ce_weight: float = 0.0
     wandb: str = "offline"
     run_group: str | None = None
     project: str = "workbench"
@@ -57,6 +69,21 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not self.out:
             raise ValueError("TrainConfig.out (the run directory, --out) must be set")
+        if self.preset is None and not self.init:
+            raise ValueError("TrainConfig.preset is None: the model is built from --init CKPT's "
+                             "config.json, so --init must be set (or pass --preset)")
+        for name in ("data", "val_data"):
+            v = getattr(self, name)
+            if not isinstance(v, tuple) or not all(isinstance(x, str) and x for x in v):
+                raise TypeError(f"TrainConfig.{name} must be a tuple of paths, got {v!r}")
+        if self.val_data and not self.data:
+            raise ValueError("--val-data needs --data (the byte corpus has its own val split)")
+        if self.distill and not self.init:
+            raise ValueError("--distill needs --init CKPT: the teacher is the frozen --init model")
+        if not self.kd_temperature > 0 or self.kd_weight < 0 or self.ce_weight < 0:
+            raise ValueError("--kd-temperature must be > 0, --kd-weight and --ce-weight >= 0")
+        if self.distill and self.kd_weight == 0 and self.ce_weight == 0:
+            raise ValueError("--distill with --kd-weight 0 and --ce-weight 0 has no objective")
         if self.recipe not in RECIPES:
             raise ValueError(f"recipe {self.recipe!r} is not one of {RECIPES}")
         if self.recipe == "bf16" and self.profile is not None:
@@ -142,7 +169,15 @@ def gpu(out: str, preset: str, **overrides: Any) -> TrainConfig:
                        steps=500, val_every=100, ckpt_every=100).replace(**overrides)
 
 
-def preset_config(name: str, out: str, **overrides: Any) -> TrainConfig:
+def from_checkpoint(out: str, init: str, **overrides: Any) -> TrainConfig:
+    """No preset: the model is the --init checkpoint's; a fine-tune's hyper-parameters."""
+    return TrainConfig(out=out, preset=None, init=init, batch=32, seq=1024, lr=1e-5, warmup=20,
+                       steps=500, val_every=100, ckpt_every=100).replace(**overrides)
+
+
+def preset_config(name: str | None, out: str, **overrides: Any) -> TrainConfig:
+    if name is None:
+        return from_checkpoint(out, **overrides)
     if name == "tiny":
         return tiny(out, **overrides)
     if name == "small":

@@ -33,9 +33,11 @@ from typing import Any
 import torch
 
 from workbench.train import checkpointing as ckpt
+from workbench.train import distill
 from workbench.train.build import build
 from workbench.train.config import TrainConfig
-from workbench.train.data import global_batch, load_corpus, rank_slice
+from workbench.train.data import global_batch, rank_slice
+from workbench.train.datasets import DATA_JSON, load_train_data
 from workbench.train.determinism import enable as enable_determinism
 from workbench.train.distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier
 from workbench.train.expert_stats import ExpertStatsRecorder
@@ -43,6 +45,7 @@ from workbench.train.fqtime import FakeQuantTimer
 from workbench.train.memory import SavedTensorMeter, state_bytes
 from workbench.train.metrics import MetricsWriter, truncate_metrics
 from workbench.train.resume_config import check_resume_config, checkpoint_meta
+from workbench.train.tokenizer import copy_tokenizer
 
 _stop_requested = False
 
@@ -133,11 +136,13 @@ def validate(model, val_tokens: torch.Tensor, cfg: TrainConfig, info: DistInfo) 
 
 
 def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, info: DistInfo,
-               step: int, fq_timer: FakeQuantTimer | None = None,
+               step: int, fq_timer: FakeQuantTimer | None = None, teacher=None,
                measure_memory: bool = False) -> dict[str, Any]:
     """One optimizer step on the global batch of `step` (this rank's slice); returns its metrics.
-    With an entered `fq_timer`, the record has `fake_quant_share` too; with `measure_memory`,
-    the `mem_*_bytes` this rank holds (max over ranks; `workbench.train.memory`)."""
+    With an entered `fq_timer`, the record has `fake_quant_share` too; with a `teacher`
+    (workbench.train.distill) the objective is the distillation one and the record has `kl`;
+    with `measure_memory`, the `mem_*_bytes` this rank holds (max over ranks;
+    `workbench.train.memory`)."""
     from workbench.model import sync_gradients
 
     timing = fq_timer is not None and fq_timer.available
@@ -146,10 +151,16 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
     t0 = time.perf_counter()
     tok_BS = rank_slice(global_batch(train_tokens, seed=cfg.seed, index=step, batch=cfg.batch,
                                      seq=cfg.seq), info.rank, info.world).to(info.device)
+    kl = []
     meter = SavedTensorMeter(model) if measure_memory else contextlib.nullcontext()
     with _autocast(info), meter:
         res = model(tok_BS, labels_BS=tok_BS)
-    res.loss.backward()
+        objective = res.loss
+        if teacher is not None:
+            objective, kl_t = distill.objective(res, teacher, tok_BS, cfg,
+                                                model.config.aux_loss_coef)
+            kl = [float(kl_t)]
+    objective.backward()
     if info.group is not None:
         sync_gradients(model, info.group)
     norm = global_grad_norm(model, info)
@@ -163,7 +174,7 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
     ce = float(res.ce_loss.detach())  # the step's host synchronisation
     share = fq_timer.take()[0] / (time.perf_counter() - t0) if timing else 0.0
     # One all-reduce for both means; the loss's sum is the same as alone (elementwise).
-    loss, share = _means_over_ranks([ce, share], info)
+    loss, share, *kl = _means_over_ranks([ce, share, *kl], info)
     dt = time.perf_counter() - t0
     rec = {
         "step": step, "loss": loss, "grad_norm": float(norm), "lr": lr,
@@ -173,6 +184,8 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
     }
     if timing:
         rec["fake_quant_share"] = share
+    if kl:
+        rec["kl"] = kl[0]
     if mem:
         names = sorted(mem)
         t = torch.tensor([float(mem[k]) for k in names], dtype=torch.float64, device=info.device)
@@ -216,7 +229,8 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
     found = None
     b = build(cfg, info, resuming=cfg.resume and bool(ckpt.candidates(out)))
     model, opt, sched = b.model, b.opt, b.sched
-    corpus = load_corpus()
+    corpus = load_train_data(cfg, info, model.config.vocab_size)
+    teacher = distill.build_teacher(cfg, info) if cfg.distill else None
 
     start = 0
     if cfg.resume:  # the newest checkpoint that verifies and loads (says which it skipped)
@@ -228,6 +242,8 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
     if info.is_main:
         truncate_metrics(out, start) if cfg.resume else (out / "metrics.jsonl").unlink(
             missing_ok=True)
+    if info.is_main and corpus.info:
+        _write_json_atomic(out / DATA_JSON, corpus.info)
     barrier(info)
     stats = None
     if cfg.stats_every:
@@ -254,11 +270,15 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
                 stopped = True
                 break
             step += 1
-            rec = train_step(model, opt, sched, corpus.train, cfg, info, step, fq_timer,
+            rec = train_step(model, opt, sched, corpus.train, cfg, info, step, fq_timer, teacher,
                              measure_memory=step == start + 1)
             loss = rec["loss"]
             if cfg.val_every and (step % cfg.val_every == 0 or step == cfg.steps):
-                rec["val_loss"] = validate(model, corpus.val, cfg, info)
+                if teacher is not None:
+                    rec.update(distill.validate(model, teacher, corpus.val, cfg, info,
+                                                lambda: _autocast(info)))
+                else:
+                    rec["val_loss"] = validate(model, corpus.val, cfg, info)
             if not math.isfinite(loss):
                 rec["diverged"] = True
             if stats is not None and (step % cfg.stats_every == 0 or step == cfg.steps):
@@ -301,6 +321,8 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
         path = export_model(model, out / "export", fmt=cfg.export, recipe=cfg.recipe,
                             profile=cfg.profile, group=info.group)
         result["export"] = str(path)
+        if info.is_main and corpus.info:  # the export is usable with its own tokenizer
+            copy_tokenizer(corpus.info["tokenizer"], path)
     if info.is_main:
         _write_json_atomic(out / "result.json", result)
     barrier(info)

@@ -1,0 +1,441 @@
+"""Real text for training: `--data` / `--val-data` sources, tokenized once into a cached token file.
+
+Sources (each `--data PATH`, repeatable, read in the order given):
+- `*.jsonl`: one JSON object per line with a `text` string, or a chat `messages` list rendered
+  with the tokenizer's chat template (`apply_chat_template(messages, tokenize=False)`);
+- `*.parquet`: a `text` column;
+- `*.txt`: the whole file is one record; a folder of `*.txt` files (recursive, sorted by path);
+- a folder written by `datasets.Dataset.save_to_disk` (its `train` split if it is a DatasetDict)
+  with a `text` or `messages` column;
+- `hf:NAME[:CONFIG][:SPLIT]`: `datasets.load_dataset(NAME, CONFIG, split=SPLIT)` from the
+  Hugging Face hub (online only; SPLIT defaults to train).
+
+Convention (docs/data.md): every record is tokenized without special tokens, one EOS id is
+appended, the records are concatenated in source order into one stream, and the stream is cut into
+sequences of `seq + 1` tokens; only the incomplete tail is dropped, nothing is padded.
+
+Cache: the stream is written once as raw little-endian uint32 (`tokens.bin`) plus `header.json`
+(counts, digests), under `CACHE/<key>/`, where key = sha256 of (format version, tokenizer digest,
+each source's digest). CACHE is `--token-cache DIR`, else `<parent of --out>/.token-cache`.
+Written to a temporary folder and renamed (atomic); opened read-only as a numpy memmap.
+No pickle anywhere: the header is JSON, the tokens raw integers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from workbench.train.data import PackedSplit
+from workbench.train.distributed import DistInfo
+from workbench.train.tokenizer import Tokenizer, TokenizerError, check_fits, load_tokenizer
+
+FORMAT_VERSION = 1
+DTYPE = np.dtype("<u4")
+DATA_JSON = "data.json"
+# Without --val-data, this share of the train sequences (the last ones, at least one) is held out.
+HOLDOUT_FRACTION = 0.02
+_ENCODE_BATCH = 512
+
+
+class DataError(ValueError):
+    """A data source is unusable; the message names the file (and line or row)."""
+
+
+@dataclass(frozen=True)
+class Source:
+    spec: str  # as given on the command line
+    kind: str  # jsonl | parquet | txt | txt-dir | saved | hf
+    path: Path | None = None
+    hf_name: str = ""
+    hf_config: str | None = None
+    hf_split: str = "train"
+
+
+def parse_source(spec: str) -> Source:
+    if spec.startswith("hf:"):
+        parts = spec[3:].split(":")
+        if not parts[0] or len(parts) > 3 or any(p == "" for p in parts):
+            raise DataError(f"--data {spec}: expected hf:NAME[:CONFIG][:SPLIT]")
+        return Source(spec, "hf", hf_name=parts[0], hf_config=parts[1] if len(parts) > 1 else None,
+                      hf_split=parts[2] if len(parts) > 2 else "train")
+    path = Path(spec)
+    if path.is_dir():
+        if any((path / n).is_file() for n in ("dataset_info.json", "state.json",
+                                              "dataset_dict.json")):
+            return Source(spec, "saved", path)
+        return Source(spec, "txt-dir", path)
+    if not path.is_file():
+        raise DataError(f"--data {spec}: no such file or folder")
+    kind = {".jsonl": "jsonl", ".parquet": "parquet", ".txt": "txt"}.get(path.suffix)
+    if kind is None:
+        raise DataError(f"--data {spec}: unknown format {path.suffix!r} (expected .jsonl, "
+                        ".parquet, .txt, a folder of .txt files or a datasets.save_to_disk folder)")
+    return Source(spec, kind, path)
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _folder_files(root: Path, pattern: str) -> list[Path]:
+    real = root.resolve()
+    files = []
+    for p in sorted(root.rglob(pattern)):
+        # A symlink must not lead the reader outside the folder it was given.
+        if p.is_file() and p.resolve().is_relative_to(real):
+            files.append(p)
+    return files
+
+
+def source_digest(src: Source) -> str:
+    if src.kind == "hf":
+        return hashlib.sha256(f"hf/{src.hf_name}/{src.hf_config}/{src.hf_split}".encode()
+                              ).hexdigest()
+    if src.kind in ("txt-dir", "saved"):
+        h = hashlib.sha256()
+        for f in _folder_files(src.path, "*"):
+            h.update(str(f.relative_to(src.path)).encode() + b"\0"
+                     + bytes.fromhex(_sha256_file(f)))
+        return h.hexdigest()
+    return _sha256_file(src.path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Records: (text, where) pairs; `where` names the file and line/row for error messages.
+
+
+def _record_text(obj: Any, where: str, tok: Tokenizer) -> str:
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    if "text" in obj:
+        if not isinstance(obj["text"], str):
+            raise DataError(f"{where}: field 'text' must be a string, got "
+                            f"{type(obj['text']).__name__}")
+        return obj["text"]
+    if "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m
+                                                 and "content" in m for m in msgs):
+            raise DataError(f"{where}: field 'messages' must be a list of {{role, content}}")
+        try:
+            return tok.render_chat(msgs, where)
+        except TokenizerError as e:
+            raise DataError(str(e)) from e
+    raise DataError(f"{where}: no 'text' field (nor chat 'messages'); keys: {sorted(obj)[:8]}")
+
+
+def _jsonl(path: Path, tok: Tokenizer) -> Iterator[tuple[str, str]]:
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            where = f"{path}:{n}"
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise DataError(f"{where}: invalid JSON ({e})") from e
+            yield _record_text(obj, where, tok), where
+
+
+def _parquet(path: Path) -> Iterator[tuple[str, str]]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow.ArrowInvalid and friends
+        raise DataError(f"{path}: not a readable parquet file ({e})") from e
+    if "text" not in pf.schema_arrow.names:
+        raise DataError(f"{path}: no 'text' column (columns: {pf.schema_arrow.names[:8]})")
+    row = 0
+    for rb in pf.iter_batches(columns=["text"], batch_size=4096):
+        for value in rb.column(0).to_pylist():
+            if not isinstance(value, str):
+                raise DataError(f"{path}: row {row}: 'text' is {type(value).__name__}, not a "
+                                "string")
+            yield value, f"{path}: row {row}"
+            row += 1
+
+
+def _txt(path: Path) -> Iterator[tuple[str, str]]:
+    try:
+        yield path.read_text(encoding="utf-8"), str(path)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e})") from e
+
+
+def _hf_rows(ds: Any, where: str, tok: Tokenizer) -> Iterator[tuple[str, str]]:
+    cols = ds.column_names
+    if "text" not in cols and "messages" not in cols:
+        raise DataError(f"{where}: no 'text' or 'messages' column (columns: {cols[:8]})")
+    for i, row in enumerate(ds):
+        yield _record_text(row, f"{where}: row {i}", tok), f"{where}: row {i}"
+
+
+def _load_saved(src: Source) -> Any:
+    try:
+        import datasets
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("dataset folders need the datasets package: pip install datasets") from e
+    try:
+        ds = datasets.load_from_disk(str(src.path))
+    except Exception as e:  # datasets raises FileNotFoundError/ValueError per layout
+        raise DataError(f"{src.path}: not a datasets.save_to_disk folder ({e})") from e
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"{src.path}: a DatasetDict without a 'train' split "
+                            f"(splits: {sorted(ds)})")
+        ds = ds["train"]
+    return ds
+
+
+def _load_hf(src: Source) -> Any:
+    try:
+        import datasets
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("hf: sources need the datasets package: pip install datasets") from e
+    try:
+        return datasets.load_dataset(src.hf_name, src.hf_config, split=src.hf_split)
+    except Exception as e:  # offline: ConnectionError / DatasetNotFoundError / OSError
+        raise DataError(f"--data {src.spec}: cannot load {src.hf_name!r} from the Hugging Face "
+                        f"hub ({type(e).__name__}: {str(e)[:200]}); without network, save it "
+                        "with datasets.save_to_disk elsewhere and pass that folder") from e
+
+
+def records(src: Source, tok: Tokenizer) -> Iterator[tuple[str, str]]:
+    if src.kind == "jsonl":
+        yield from _jsonl(src.path, tok)
+    elif src.kind == "parquet":
+        yield from _parquet(src.path)
+    elif src.kind == "txt":
+        yield from _txt(src.path)
+    elif src.kind == "txt-dir":
+        files = _folder_files(src.path, "*.txt")
+        if not files:
+            raise DataError(f"{src.path}: a folder with no .txt files (nor a "
+                            "datasets.save_to_disk folder)")
+        for f in files:
+            yield from _txt(f)
+    elif src.kind == "saved":
+        yield from _hf_rows(_load_saved(src), str(src.path), tok)
+    else:
+        yield from _hf_rows(_load_hf(src), src.spec, tok)
+
+
+# ---------------------------------------------------------------------------------------------
+# The token file.
+
+
+@dataclass(frozen=True)
+class TokenFile:
+    folder: Path
+    tokens: int
+    records: int
+    header: dict
+
+    def memmap(self) -> np.ndarray:
+        if self.tokens == 0:
+            return np.zeros(0, dtype=DTYPE)
+        return np.memmap(self.folder / "tokens.bin", dtype=DTYPE, mode="r", shape=(self.tokens,))
+
+
+def cache_key(tok: Tokenizer, digests: list[str]) -> str:
+    blob = json.dumps({"v": FORMAT_VERSION, "tokenizer": tok.digest, "eos": tok.eos_id,
+                       "sources": digests})
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _open(folder: Path) -> TokenFile | None:
+    hpath = folder / "header.json"
+    if not hpath.is_file():
+        return None
+    header = json.loads(hpath.read_text())
+    size = (folder / "tokens.bin").stat().st_size
+    if header.get("version") != FORMAT_VERSION or size != header["tokens"] * DTYPE.itemsize:
+        raise DataError(f"{folder}: token cache does not match its header (delete the folder)")
+    return TokenFile(folder, header["tokens"], header["records"], header)
+
+
+def _write_batch(texts: list[str], tok: Tokenizer, out, bar) -> int:
+    """Append the records' ids, each followed by EOS; returns the tokens written."""
+    ids = tok.hf(texts, add_special_tokens=False)["input_ids"]
+    flat = [t for row in ids for t in (*row, tok.eos_id)]
+    np.asarray(flat, dtype=DTYPE).tofile(out)
+    bar.update(len(texts))
+    texts.clear()
+    return len(flat)
+
+
+def tokenize_sources(sources: list[Source], tok: Tokenizer, cache: Path, *, name: str,
+                     show_progress: bool = True) -> TokenFile:
+    """The token file of `sources` (in order) under `cache`, written on first use."""
+    from tqdm.auto import tqdm
+
+    digests = [source_digest(s) for s in sources]
+    folder = cache / cache_key(tok, digests)
+    found = _open(folder)
+    if found is not None:
+        return found
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = cache / f".tmp-{folder.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    n_tokens = n_records = 0
+    try:
+        with open(tmp / "tokens.bin", "wb") as out, tqdm(desc=f"tokenize {name}", unit="rec",
+                                                         disable=not show_progress) as bar:
+            pending: list[str] = []
+            for src in sources:
+                for text, _where in records(src, tok):
+                    pending.append(text)
+                    n_records += 1
+                    if len(pending) == _ENCODE_BATCH:
+                        n_tokens += _write_batch(pending, tok, out, bar)
+            if pending:
+                n_tokens += _write_batch(pending, tok, out, bar)
+            out.flush()
+            os.fsync(out.fileno())
+        header = {"version": FORMAT_VERSION, "dtype": "uint32-le", "tokens": n_tokens,
+                  "records": n_records, "eos_id": tok.eos_id, "tokenizer": tok.path,
+                  "tokenizer_digest": tok.digest,
+                  "sources": [{"source": s.spec, "sha256": d} for s, d in zip(sources, digests)]}
+        (tmp / "header.json").write_text(json.dumps(header, indent=1) + "\n")
+        if n_records == 0:
+            raise DataError(f"{name} data {[s.spec for s in sources]}: empty dataset (no records)")
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another run wrote the same key meanwhile: equal by construction
+            if _open(folder) is None:
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _open(folder)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the loop calls.
+
+
+@dataclass(frozen=True)
+class TrainData:
+    train: Any  # PackedSplit, or the byte corpus' uint8 tensor
+    val: Any
+    info: dict  # OUT/data.json (empty for the byte corpus)
+
+
+def cache_dir(cfg) -> Path:
+    return Path(cfg.token_cache) if cfg.token_cache else Path(cfg.out).resolve().parent / \
+        ".token-cache"
+
+
+def tokenizer_path(cfg) -> str:
+    return cfg.tokenizer or cfg.init
+
+
+def _prepare(cfg, vocab_rows: int, show_progress: bool) -> dict:
+    """Rank 0's part: load, check and tokenize; returns data.json."""
+    if not cfg.tokenizer and not cfg.init:
+        raise TokenizerError("--data needs a tokenizer: pass --tokenizer PATH or --init CKPT "
+                             "(its folder's tokenizer.json)")
+    tok = load_tokenizer(tokenizer_path(cfg), flag="--tokenizer" if cfg.tokenizer else "--init")
+    check_fits(tok, vocab_rows)
+    cache = cache_dir(cfg)
+    train_f = tokenize_sources([parse_source(s) for s in cfg.data], tok, cache, name="train",
+                               show_progress=show_progress)
+    val_f = (tokenize_sources([parse_source(s) for s in cfg.val_data], tok, cache, name="val",
+                              show_progress=show_progress) if cfg.val_data else None)
+    L = cfg.seq + 1
+    n_train = train_f.tokens // L
+    if val_f is None:
+        n_val = max(1, int(n_train * HOLDOUT_FRACTION)) if cfg.val_every else 0
+        n_fit = n_train - n_val
+    else:
+        n_val, n_fit = val_f.tokens // L, n_train
+        if n_val == 0 and cfg.val_every:
+            raise DataError(f"--val-data {list(cfg.val_data)}: {val_f.tokens} tokens, fewer than "
+                            f"one sequence of --seq + 1 = {L}")
+    if n_fit <= 0:
+        raise DataError(f"--data {list(cfg.data)}: {train_f.tokens} tokens make {n_train} "
+                        f"sequence(s) of --seq + 1 = {L}; training needs at least "
+                        f"{1 + (n_val if val_f is None else 0)} (lower --seq or add data)")
+    return {
+        "train_tokens": train_f.tokens, "train_records": train_f.records,
+        "val_tokens": val_f.tokens if val_f else n_val * L,
+        "val_records": val_f.records if val_f else None,
+        "val_source": "val-data" if val_f else f"last {n_val} train sequences (held out)",
+        "train_sequences": n_fit, "val_sequences": n_val, "seq_len": L,
+        "tokenizer": str(Path(tok.path).resolve()), "tokenizer_digest": tok.digest,
+        "eos_id": tok.eos_id, "vocab_size": tok.vocab_size,
+        "train_cache": str(train_f.folder), "val_cache": str(val_f.folder) if val_f else None,
+        "train_sources": train_f.header["sources"],
+        "val_sources": val_f.header["sources"] if val_f else [],
+    }
+
+
+def _check_same_data(out: Path, new: dict) -> None:
+    """--resume must train on the data the checkpoint was trained on: the data position is a
+    function of (seed, step) only, so the same step of other data would resume silently wrong."""
+    old_path = out / DATA_JSON
+    if not old_path.is_file():
+        return
+    old = json.loads(old_path.read_text())
+    keys = ("train_sources", "val_sources", "tokenizer_digest", "seq_len")
+    if any(old.get(k) != new.get(k) for k in keys):
+        raise DataError(f"{old_path}: --resume with other data, tokenizer or --seq than the run "
+                        "was started with; use the same --data/--val-data/--tokenizer/--seq or a "
+                        "new --out")
+
+
+def load_train_data(cfg, info: DistInfo, vocab_rows: int) -> TrainData:
+    """Collective. No --data: the shipped byte corpus. Else rank 0 tokenizes (once, cached),
+    the others wait and open the same files; a failure on rank 0 fails every rank."""
+    from workbench.train.data import load_corpus
+
+    if not cfg.data:
+        corpus = load_corpus()
+        return TrainData(corpus.train, corpus.val, {})
+    error: Exception | None = None
+    meta: dict = {}
+    if info.is_main:
+        try:
+            meta = _prepare(cfg, vocab_rows, show_progress=True)
+            if cfg.resume:
+                _check_same_data(Path(cfg.out), meta)
+        except (DataError, TokenizerError, OSError) as e:
+            error = e
+    if info.group is not None:
+        # Rank 0's result (or its error's text) reaches every rank, so no rank re-reads or
+        # re-hashes the data and none waits forever after a failure on rank 0. The object is
+        # our own dict of str/int (pickled between this job's ranks, never read from a file).
+        box = [(meta, None if error is None else f"{type(error).__name__}: {error}")]
+        dist.broadcast_object_list(box, src=0, group=info.group, device=info.device)
+        meta, message = box[0]
+        if message is not None and error is None:
+            raise DataError(f"rank 0 could not prepare the data: {message}")
+    if error is not None:
+        raise error
+    train_tokens = TokenFile(Path(meta["train_cache"]), meta["train_tokens"],
+                             meta["train_records"], {}).memmap()
+    L = meta["seq_len"]
+    train = PackedSplit(train_tokens, L, 0, meta["train_sequences"])
+    if meta["val_sequences"] == 0:
+        val = None
+    elif meta["val_cache"] is None:
+        val = PackedSplit(train_tokens, L, meta["train_sequences"], meta["val_sequences"])
+    else:
+        val = PackedSplit(TokenFile(Path(meta["val_cache"]), meta["val_tokens"],
+                                    meta["val_records"], {}).memmap(), L, 0, meta["val_sequences"])
+    return TrainData(train, val, meta)
