@@ -9,12 +9,14 @@ import sys
 def _inspect(args) -> int:
     from workbench.analysis.inspect import inspect_checkpoint, write_report
     from workbench.checkpoint import open_checkpoint
+    from workbench.report import inspect_figures
 
     ck = open_checkpoint(args.checkpoint)
     ref = open_checkpoint(args.reference) if args.reference else None
     print(ck)
     print(ck.scope.summary(ck.logical_names(), max_rows=0))
     result = inspect_checkpoint(ck, args.recipe or None, ref, device=args.device)
+    result.figures = inspect_figures(result)  # lossless recipes are named, not drawn
     out = write_report(result, args.out)
     print(result.summary)
     print(f"\nwrote {out}/experts.csv, scales.csv, summary.txt and {len(result.figures)} figures")
@@ -31,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="inspect-out", help="folder for experts.csv, figures, summary")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(func=_inspect)
+    from workbench.compare_cli import add_parser as add_compare
+
+    add_compare(sub)
     args = ap.parse_args(argv)
     from workbench.checkpoint import CheckpointError
 
