@@ -16,8 +16,12 @@ from workbench import plots
 from workbench.analysis import expert_detail, reference_detail
 from workbench.analysis.compare import CompareResult
 from workbench.analysis.inspect import InspectResult
+from workbench.checkpoint import open_checkpoint
 from workbench.checkpoint.grid import stored_grid
 from workbench.plots import compare as cplots
+from workbench.track import load_runs
+from workbench.track.compare import pick_baseline
+from workbench.track.experts import export_path, group_weight_recipes
 
 
 def exact_recipes(df, metric: str = "rel_err", kind: str = "routed") -> list[str]:
@@ -150,3 +154,30 @@ def picker_choices(ck, recipes=(), *, reference=None, kind: str = "routed") -> l
         raise ValueError("nothing to compare: pass recipes= (or reference= for a packed "
                          "checkpoint)")
     return out
+
+
+def group_sides(group_dir, recipe: str | None = None) -> tuple[str, str, str | None, str]:
+    """(A, B, reference, what) for ``compare`` from a run group (notebook 02's folder): A is
+    the (first) QAT run's export, B the BF16 baseline's, both shipped with the QAT run's weight
+    format (``recipe`` overrides it). With BF16 exports (02 asks for ``--export bf16``) each
+    side is quantized and measured against its own masters: quantization error only, no
+    training drift. A packed QAT export is measured against the baseline's BF16 export."""
+    runs = load_runs(group_dir)
+    qat = [r for r in runs if not r.is_baseline and export_path(r) is not None]
+    if not qat:
+        raise FileNotFoundError(f"{group_dir}: no QAT run with an export (train with --export)")
+    base = pick_baseline(qat[0], runs)
+    if base is None or export_path(base) is None:
+        raise FileNotFoundError(f"{group_dir}: no BF16 baseline run with an export for "
+                                f"{qat[0].name}")
+    recipe = recipe or (group_weight_recipes([qat[0]]) or [None])[0]
+    if recipe is None:
+        raise ValueError(f"{qat[0].name}: recipe {qat[0].recipe!r} has no weight format; pass "
+                         "recipe=")
+    qa, qb = export_path(qat[0]), export_path(base)
+    b = f"ptq:{recipe}@{qb}"
+    what = (f"QAT run {qat[0].name} vs BF16 baseline {base.name}, each exported and shipped "
+            f"as {recipe}")
+    if open_checkpoint(qa).layout == "dense":
+        return f"ptq:{recipe}@{qa}", b, None, what + " (each against its own BF16 weights)"
+    return str(qa), b, str(qb), what + " (both against the baseline's BF16 weights)"
