@@ -141,3 +141,18 @@ def test_two_layouts_of_one_model(tmp_path):
     assert ((r.table.verdict == "improved") == (r.table.b_rel_err > 0)).all()
     assert (r.table.verdict == "improved").sum() > len(r.table) // 2
     assert all(math.isfinite(x) for x in r.table.b_rel_err)
+
+
+def test_inspect_without_reference_names_the_lossless_grid(ckpts, tmp_path):
+    """`workbench inspect PACKED` alone re-quantizes the decoded grid: every MX rule reproduces
+    it, which is one line per recipe, not zero-valued lists and empty plots."""
+    out = tmp_path / "rep"
+    p = subprocess.run([sys.executable, "-m", "workbench.cli", "inspect", str(ckpts["packed"]),
+                        "--out", str(out)], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, check=False)
+    assert p.returncode == 0, p.stderr
+    for rec in ("mxfp4:rceil", "mxfp4:floor", "mxfp4:even"):
+        assert f"{rec} reproduces exactly: rel_err 0 on all 24 routed weights" in p.stdout
+    assert "worst" not in p.stdout
+    assert sorted(x.name for x in out.glob("*.png")) == ["scale_exponents.png"]
+    assert (pd.read_csv(out / "experts.csv").rel_err == 0).all()
