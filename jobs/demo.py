@@ -5,8 +5,9 @@
 1. builds the embedded demo checkpoint once (``workbench.demo``: a small MoE with structured
    experts, trained a few MXFP4 QAT steps by the workbench trainer, exported packed);
 2. runs ``01_inspect_checkpoint`` on it (per-expert error heatmaps, recipe comparison, picker);
-3. runs ``02_launch_qat`` (a BF16 baseline and an MXFP4+MXFP8 QAT run, EP4, local executor) and
-   ``03_budgets`` on the runs it made (curves and budget verdicts).
+3. runs ``02_launch_qat`` (a BF16 baseline and an MXFP4+MXFP8 QAT run, EP4, local executor),
+   ``03_budgets`` on the runs it made (curves and budget verdicts) and ``04_compare`` on their
+   exports (QAT vs the BF16 baseline, expert by expert).
 Executed notebooks and figures land under ``--out``; the paths are printed at the end.
 """
 
@@ -49,9 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     from workbench.demo import demo_checkpoint
 
     demo = demo_checkpoint(steps=args.steps)
-    print(f"embedded checkpoint: {demo.packed} (reference {demo.init})")
+    print(f"embedded checkpoint: {demo.packed} (reference: the QAT run's BF16 export "
+          f"{demo.reference})")
     done = [run_notebook("01_inspect_checkpoint.ipynb", out,
-                         {"checkpoint": str(demo.packed), "reference": str(demo.init),
+                         {"checkpoint": str(demo.packed), "reference": str(demo.reference),
                           "out_dir": str(out / "inspect"), "demo_steps": args.steps})]
     if not args.skip_launch:
         runs = out / "runs"
@@ -61,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         done.append(run_notebook("02_launch_qat.ipynb", out,
                                  {"out": str(runs), "steps": args.launch_steps}))
         done.append(run_notebook("03_budgets.ipynb", out, {"group_dir": str(runs)}))
+        # 02's exports fed straight into the comparison: QAT vs BF16 baseline, per expert
+        done.append(run_notebook("04_compare.ipynb", out, {"group_dir": str(runs),
+                                                           "out_dir": str(out / "compare")}))
     figs = sorted((out / "inspect").glob("*.png"))
     print("\nexecuted notebooks (open them in JupyterLab):")
     for p in done:

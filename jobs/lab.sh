@@ -27,7 +27,7 @@ if [ -z "${LAB_NO_DEMO:-}" ]; then
   "$PY" -c "
 from workbench.demo import demo_checkpoint
 d = demo_checkpoint()
-print(f'embedded checkpoint ready: {d.packed} (BF16 reference {d.init})')"
+print(f'embedded checkpoint ready: {d.packed} (BF16 reference {d.reference})')"
 fi
 
 extra=()

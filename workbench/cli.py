@@ -9,6 +9,7 @@ import sys
 def _inspect(args) -> int:
     from workbench.analysis.inspect import check_args, inspect_checkpoint, write_report
     from workbench.checkpoint import open_checkpoint
+    from workbench.report import inspect_figures
 
     args.recipe, args.device, args.out = check_args(args.recipe, args.device, args.out)
     ck = open_checkpoint(args.checkpoint)
@@ -16,6 +17,7 @@ def _inspect(args) -> int:
     print(ck)
     print(ck.scope.summary(ck.logical_names(), max_rows=0))
     result = inspect_checkpoint(ck, args.recipe or None, ref, device=args.device)
+    result.figures = inspect_figures(result)  # lossless recipes are named, not drawn
     out = write_report(result, args.out)
     print(result.summary)
     print(f"\nwrote {out}/experts.csv, scales.csv, summary.txt and {len(result.figures)} figures")
@@ -66,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--activation-checkpointing", default="off",
                    choices=("off", "full", "selective"))
     p.set_defaults(func=_plan)
+    from workbench.compare_cli import add_parser as add_compare
+
+    add_compare(sub)
     args = ap.parse_args(argv)
     from workbench.analysis.inspect import InspectArgError
     from workbench.checkpoint import CheckpointError

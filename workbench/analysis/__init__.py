@@ -1,5 +1,6 @@
 """Numbers, not pictures: per-expert quantization error tables from a checkpoint."""
 
+from .compare import CompareError, CompareResult, compare, reference_detail
 from .metrics import METRICS, block_scales, error_metrics, grid_mismatch, scale_exponents
 from .tables import (
                      ErrorTables,
@@ -12,13 +13,17 @@ from .tables import (
 
 __all__ = [
                      "METRICS",
+                     "CompareError",
+                     "CompareResult",
                      "ErrorTables",
                      "ExpertDetail",
                      "block_scales",
                      "candidate_errors",
+                     "compare",
                      "error_metrics",
                      "expert_detail",
                      "grid_mismatch",
+                     "reference_detail",
                      "reference_errors",
                      "scale_exponents",
                      "stored_vs_recipes",

@@ -32,6 +32,16 @@ class InspectResult:
     summary: str
     figures: dict = field(default_factory=dict)  # file stem -> Figure
 
+    def __repr__(self) -> str:
+        # the dataclass repr would print both tables and the summary
+        df = self.tables.experts
+        parts = [f"{self.question!r}", f"{len(df)} rows"]
+        if not df.empty:
+            means = df[df.kind == "routed"].groupby("recipe")["rel_err"].mean()
+            parts.append("mean routed rel_err " + ", ".join(f"{r} {v:.4g}" for r, v in means.items()))
+        parts.append(f"{len(self.figures)} figures")
+        return f"InspectResult({', '.join(parts)})"
+
 
 class InspectArgError(ValueError):
     """A `workbench inspect` argument that cannot work; raised before any checkpoint is read."""
@@ -114,10 +124,18 @@ def summarize(df, question: str, path, worst: int = 5) -> str:
         return "\n".join(lines + ["no quantizable expert weights found"])
     cols = [c for c in ("rel_err", "sqnr_db", "max_abs_err", "clip_frac", "zero_frac",
                         "scale_mismatch_frac", "code_mismatch_frac") if c in df]
-    means = df.replace([float("inf")], float("nan")).groupby(["kind", "recipe"])[cols].mean()
-    lines += ["", "per-recipe means (SQNR mean ignores exact rows):", means.to_string(float_format=lambda v: f"{v:.4g}")]
+    # recipes that reproduce their grid exactly get one line below, not a row of zeros
+    exact = {r for r, g in df[df.kind == "routed"].groupby("recipe") if bool((g.rel_err == 0).all())}
+    shown = df[~df.recipe.isin(exact)] if len(exact) < df.recipe.nunique() else df.iloc[0:0]
+    means = shown.replace([float("inf")], float("nan")).groupby(["kind", "recipe"])[cols].mean()
+    if len(means):
+        lines += ["", "per-recipe means (SQNR mean ignores exact rows):",
+                  means.to_string(float_format=lambda v: f"{v:.4g}")]
     routed = df[df.kind == "routed"]
     for rec, g in routed.groupby("recipe"):
+        if bool((g.rel_err == 0).all()):  # the lossless case is named, not listed
+            lines += ["", f"{rec} reproduces exactly: rel_err 0 on all {len(g)} routed weights"]
+            continue
         top = g.nlargest(worst, "rel_err")
         lines.append("")
         lines.append(f"worst {len(top)} routed experts for {rec} (rel_err):")
@@ -126,30 +144,11 @@ def summarize(df, question: str, path, worst: int = 5) -> str:
     return "\n".join(lines)
 
 
-def figures(result: InspectResult, metric: str = "rel_err") -> dict:
-    from workbench import plots
-
-    df = result.tables.experts
-    figs = {}
-    routed = df[df.kind == "routed"]
-    if routed.empty:
-        return figs
-    for rec in sorted(routed.recipe.unique()):
-        safe = rec.replace(":", "_")
-        figs[f"heatmap_{metric}_{safe}"] = plots.heatmap(df, metric, recipe=rec)
-        figs[f"worst_{safe}"] = plots.worst_experts(df, metric, recipe=rec)
-        figs[f"experts_{safe}"] = plots.expert_distribution(df, metric, recipe=rec)
-    if routed.recipe.nunique() > 1:
-        figs["recipes_sqnr_db"] = plots.recipe_comparison(df, "sqnr_db")
-    if not result.tables.scales.empty:
-        figs["scale_exponents"] = plots.scale_histogram(result.tables.scales)
-    return figs
-
-
 def write_report(result: InspectResult, out: str | os.PathLike, *, dpi: int = 110) -> Path:
+    """Tables, summary and ``result.figures`` (drawn by ``workbench.report.inspect_figures``:
+    analysis does not draw) under ``out``."""
     out = Path(out)
     result.tables.save(out)
-    result.figures = result.figures or figures(result)
     for stem, fig in result.figures.items():
         tmp = out / f".{stem}.png.tmp"
         fig.savefig(tmp, dpi=dpi, format="png")

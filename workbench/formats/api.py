@@ -17,7 +17,7 @@ from .recipe import Recipe, parse_recipe
 _FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class QuantizedTensor:
     """A block-quantized tensor as libraries store it.
 
@@ -59,6 +59,25 @@ class QuantizedTensor:
         if self.global_scale is not None:
             n += self.global_scale.numel() * 4
         return n
+
+    def __repr__(self) -> str:
+        # The dataclass repr would print every code and scale: one line of what a user checks.
+        parts = [f"{self.fmt}:{self.profile}", f"shape={tuple(self.shape)}",
+                 f"blocks={self.scale.numel()}x{self.spec.block}", f"device={self.data.device.type}",
+                 f"{self.nbytes()} bytes"]
+        s = self.scale
+        if s.numel() and s.device.type != "meta":
+            if self.spec.scale == "e8m0":
+                b = s.view(torch.uint8).to(torch.int32)
+                parts.append(f"scale 2^[{int(b.min()) - 127}..{int(b.max()) - 127}]")
+            else:
+                f = s.float()
+                parts.append(f"scale [{float(f.min()):.3g}..{float(f.max()):.3g}]")
+        if self.global_scale is not None and self.global_scale.device.type != "meta":
+            g = self.global_scale.float()
+            parts.append(f"global={float(g):.4g}" if g.numel() == 1 else
+                         f"global [{float(g.min()):.4g}..{float(g.max()):.4g}] x{g.numel()}")
+        return f"QuantizedTensor({', '.join(parts)})"
 
 
 def _resolve(fmt: str | Recipe, profile: str | None) -> Recipe:

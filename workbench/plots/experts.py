@@ -51,16 +51,35 @@ def _select(df: pd.DataFrame, recipe: str | None, kind: str | None = "routed") -
     return out
 
 
+def value_range(values) -> tuple[float, float]:
+    """Colour limits of finite ``values``: their min and max, widened when they are all equal
+    (a flat grid gets a visible range around its value instead of a degenerate norm), (0, 1)
+    when nothing is finite."""
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return 0.0, 1.0
+    lo, hi = float(v.min()), float(v.max())
+    if lo == hi:
+        pad = abs(lo) * 0.05 if lo else 1.0
+        return (lo - pad, hi + pad) if lo else (0.0, pad)
+    return lo, hi
+
+
 def heatmap(df: pd.DataFrame, metric: str = "rel_err", *, recipe: str | None = None,
             projs: tuple[str, ...] | None = None, kind: str = "routed",
+            vmin: float | None = None, vmax: float | None = None,
             figsize: tuple[float, float] | None = None) -> Figure:
-    """Layer x expert heatmap of ``metric``, one panel per projection, shared color scale."""
+    """Layer x expert heatmap of ``metric``, one panel per projection, shared color scale.
+
+    ``vmin``/``vmax`` fix the colour scale (pass the same ones to every recipe's heatmap, or use
+    ``recipe_heatmaps``, so equal colours mean equal errors across figures)."""
     d = _select(df, recipe, kind)
     projs = projs or tuple(p for p in PROJ_ORDER if p in set(d.proj))
     layers = sorted(d.layer.unique())
     experts = sorted(d.expert.unique())
-    vals = d[metric].replace([np.inf, -np.inf], np.nan)
-    vmin, vmax = float(np.nanmin(vals)), float(np.nanmax(vals))
+    lo, hi = value_range(d[metric])
+    vmin, vmax = (lo if vmin is None else vmin), (hi if vmax is None else vmax)
     n = len(projs)
     w = min(18.0, 2.0 + 0.25 * len(experts) * n + 1.5 * n)
     fig = _figure_class()(figsize=figsize or (max(6.0, w), max(2.5, 1.2 + 0.3 * len(layers))),
@@ -89,6 +108,46 @@ def _ticks(set_ticks, set_labels, values, max_ticks: int = 16):
     pos = list(range(0, len(values), step))
     set_ticks(pos)
     set_labels([str(values[i]) for i in pos])
+
+
+def recipe_heatmaps(df: pd.DataFrame, metric: str = "rel_err", *,
+                    recipes: list[str] | None = None, kind: str = "routed",
+                    projs: tuple[str, ...] | None = None,
+                    figsize: tuple[float, float] | None = None) -> Figure:
+    """Layer x expert heatmaps of ``metric`` for several recipes in one figure: one row per
+    recipe, one column per projection, ONE colour scale (and colorbar) for all panels, so a
+    colour means the same error in every recipe."""
+    d = df[df.kind == kind] if kind is not None else df
+    recipes = list(recipes) if recipes is not None else sorted(d.recipe.unique())
+    if not recipes:
+        raise ValueError(f"no {kind} rows to draw")
+    d = d[d.recipe.isin(recipes)]
+    projs = projs or tuple(p for p in PROJ_ORDER if p in set(d.proj))
+    layers, experts = sorted(d.layer.unique()), sorted(d.expert.unique())
+    vmin, vmax = value_range(d[metric])
+    n, m = len(recipes), len(projs)
+    w = min(18.0, 2.0 + 0.25 * len(experts) * m + 1.5 * m)
+    fig = _figure_class()(figsize=figsize or (max(6.0, w), max(2.5, (1.0 + 0.3 * len(layers)) * n)),
+                          layout="constrained")
+    axes = fig.subplots(n, m, squeeze=False)
+    im = None
+    for i, rec in enumerate(recipes):
+        for j, proj in enumerate(projs):
+            ax = axes[i][j]
+            g = d[(d.recipe == rec) & (d.proj == proj)]
+            grid = g.pivot_table(index="layer", columns="expert", values=metric)
+            grid = grid.reindex(index=layers, columns=experts)
+            im = ax.imshow(grid.to_numpy(dtype=float), aspect="auto", interpolation="nearest",
+                           vmin=vmin, vmax=vmax, cmap="viridis", origin="lower")
+            ax.set_title(f"{rec}: {proj}_proj", fontsize="medium")
+            ax.set_xlabel("expert")
+            ax.set_ylabel("layer")
+            _ticks(ax.set_xticks, ax.set_xticklabels, experts)
+            _ticks(ax.set_yticks, ax.set_yticklabels, layers)
+    cbar = fig.colorbar(im, ax=[a for row in axes for a in row], shrink=0.9)
+    cbar.set_label(_label(metric))
+    fig.suptitle(f"{_label(metric)} per expert, one colour scale for all recipes ({kind})")
+    return fig
 
 
 def expert_distribution(df: pd.DataFrame, metric: str = "rel_err", *, recipe: str | None = None,
@@ -146,7 +205,10 @@ def recipe_comparison(df: pd.DataFrame, metric: str = "sqnr_db", *, kind: str = 
 def scale_histogram(scales: pd.DataFrame, *, recipe: str | None = None,
                     layer: int | None = None, expert: int | None = None, proj: str | None = None,
                     kind: str = "routed", figsize: tuple[float, float] = (7.0, 3.5)) -> Figure:
-    """Histogram of block-scale exponents (log2 of each block's scale)."""
+    """Histogram of block-scale exponents (log2 of each block's scale), as the fraction of a
+    recipe's elements whose block has that exponent. Counting blocks would weigh NVFP4 (16
+    elements per block) twice as much as MX (32); within one recipe every block has the same
+    size, so the fraction of its elements equals the fraction of its blocks."""
     d = scales[scales.kind == kind] if kind else scales
     for col, v in (("recipe", recipe), ("layer", layer), ("expert", expert), ("proj", proj)):
         if v is not None:
@@ -157,11 +219,13 @@ def scale_histogram(scales: pd.DataFrame, *, recipe: str | None = None,
         agg = g.groupby("exponent")["count"].sum()
         special = agg[(agg.index <= -1000) | (agg.index >= 1000)]
         agg = agg[(agg.index > -1000) & (agg.index < 1000)]
+        total = float(agg.sum() + special.sum())
         off = (i - (d.recipe.nunique() - 1) / 2) * 0.8 / max(1, d.recipe.nunique())
-        label = rec + (f" (+{int(special.sum())} zero/NaN blocks)" if len(special) else "")
-        ax.bar(agg.index + off, agg.to_numpy(), width=0.8 / max(1, d.recipe.nunique()), label=label)
+        label = rec + (f" (+{special.sum() / total:.2%} zero/NaN blocks)" if len(special) else "")
+        ax.bar(agg.index + off, agg.to_numpy() / total, width=0.8 / max(1, d.recipe.nunique()),
+               label=label)
     ax.set_xlabel("block scale exponent (log2)")
-    ax.set_ylabel("blocks")
+    ax.set_ylabel("fraction of elements")
     where = ", ".join(f"{k}={v}" for k, v in (("layer", layer), ("expert", expert), ("proj", proj))
                       if v is not None)
     ax.set_title("scale exponents" + (f" ({where})" if where else ""))
@@ -181,11 +245,21 @@ def worst_experts(df: pd.DataFrame, metric: str = "rel_err", *, n: int = 10,
     labels = [f"L{r.layer} E{r.expert} {r.proj}" for r in top.itertuples()]
     fig = _figure_class()(figsize=figsize, layout="constrained")
     ax = fig.subplots()
-    ax.barh(range(len(top))[::-1], top[metric].to_numpy(), color="C3")
+    vals = top[metric].to_numpy(dtype=float)
+    ax.barh(range(len(top))[::-1], vals, color="C3")
     ax.set_yticks(range(len(top))[::-1])
     ax.set_yticklabels(labels)
     ax.set_ylabel("layer, expert, projection")
-    ax.set_xlabel(_label(metric))
+    zoom = ""
+    if len(vals):
+        # Bars from 0 make ten errors of 0.140-0.152 look equal: the axis spans the values shown.
+        lo, hi = value_range(vals)
+        pad = 0.08 * (hi - lo)
+        ax.set_xlim(lo - pad, hi + pad)
+        zoom = " (axis zoomed to the values shown)"
+        for y, v in zip(range(len(top))[::-1], vals):
+            ax.text(v, y, f" {v:.4g}", va="center", fontsize="x-small", clip_on=True)
+    ax.set_xlabel(_label(metric) + zoom)
     ax.set_title(f"worst {len(top)} expert weights: {recipe or d.recipe.iloc[0] if len(d) else ''}")
     return fig
 
@@ -198,17 +272,24 @@ def expert_detail(detail, *, bins: int = 80, figsize: tuple[float, float] = (10.
     fig = _figure_class()(figsize=figsize, layout="constrained")
     ax1, ax2 = fig.subplots(1, 2)
     err = (detail.deq.float() - detail.weight.float()).flatten().numpy()
-    ax1.hist(err, bins=bins, color="C0", log=True)
     ax1.set_xlabel("element error W_q - W")
     ax1.set_ylabel("elements (log)")
-    ax1.set_title(f"{detail.label}: rel err {detail.metrics['rel_err']:.4f}, "
-                  f"SQNR {detail.metrics['sqnr_db']:.1f} dB", fontsize="medium")
+    if not err.any():  # lossless: name it instead of drawing one spike at 0
+        ax1.text(0.5, 0.5, f"{detail.recipe} reproduces these weights exactly\n(every element "
+                 "error is 0)", ha="center", va="center", transform=ax1.transAxes)
+        ax1.set_title(f"{detail.label}: exact (rel err 0)", fontsize="medium")
+    else:
+        ax1.hist(err, bins=bins, color="C0", log=True)
+        ax1.set_title(f"{detail.label}: rel err {detail.metrics['rel_err']:.4f}, "
+                      f"SQNR {detail.metrics['sqnr_db']:.1f} dB", fontsize="medium")
     ex = detail.exponents.flatten().numpy()
     ex = ex[(ex > -1000) & (ex < 1000)]
     if ex.size:
         lo, hi = int(ex.min()), int(ex.max())
-        ax2.hist(ex, bins=np.arange(lo - 0.5, hi + 1.5), color="C1")
+        # one weight, one block size: the fraction of blocks is the fraction of elements
+        ax2.hist(ex, bins=np.arange(lo - 0.5, hi + 1.5), color="C1",
+                 weights=np.full(ex.size, 1.0 / detail.exponents.numel()))
     ax2.set_xlabel("block scale exponent (log2)")
-    ax2.set_ylabel("blocks")
+    ax2.set_ylabel("fraction of elements")
     ax2.set_title(f"scales ({detail.recipe})", fontsize="medium")
     return fig

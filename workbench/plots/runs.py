@@ -27,10 +27,12 @@ def _figure_class():
 
 def plot_curves(df: pd.DataFrame, metric: str = "loss", *, val_metric: str | None = "val_loss",
                 logx: bool = False, logy: bool = False, smooth: int = 1,
-                title: str | None = None, figsize: tuple[float, float] = (8.0, 4.5)) -> Figure:
+                title: str | None = None, ylabel: str | None = None,
+                figsize: tuple[float, float] = (8.0, 4.5)) -> Figure:
     """One line per run of `metric` against step (solid), and `val_metric` as markers with a
-    dashed line in the same colour when it was logged. `smooth` > 1 applies a trailing
-    rolling mean of that many steps to the training curve only."""
+    dashed line in the same colour when it was logged. `smooth` > 1 draws a trailing rolling
+    mean of that many steps (solid) over the raw curve (faint, same colour, not in the legend);
+    the validation curve is never smoothed."""
     Figure = _figure_class()
     for col in ("run", "step", metric):
         if col not in df.columns:
@@ -44,8 +46,13 @@ def plot_curves(df: pd.DataFrame, metric: str = "loss", *, val_metric: str | Non
         g = g.sort_values("step")
         y = pd.to_numeric(g[metric], errors="coerce")
         ok = y.notna()
-        y = y[ok].rolling(smooth, min_periods=1).mean()
-        ax.plot(g.loc[ok, "step"], y, color=color, lw=1.5, label=f"{run} {metric}")
+        steps, y = g.loc[ok, "step"], y[ok]
+        if smooth > 1:
+            ax.plot(steps, y, color=color, lw=0.8, alpha=0.3, label=f"_raw {run} {metric}")
+            ax.plot(steps, y.rolling(smooth, min_periods=1).mean(), color=color, lw=1.8,
+                    label=f"{run} {metric} ({smooth}-step mean)")
+        else:
+            ax.plot(steps, y, color=color, lw=1.5, label=f"{run} {metric}")
         if val_metric and val_metric in g.columns:
             v = pd.to_numeric(g[val_metric], errors="coerce")
             if v.notna().any():
@@ -56,7 +63,7 @@ def plot_curves(df: pd.DataFrame, metric: str = "loss", *, val_metric: str | Non
     if logy:
         ax.set_yscale("log")
     ax.set_xlabel("step")
-    ax.set_ylabel(metric if not val_metric else f"{metric} / {val_metric}")
+    ax.set_ylabel(ylabel or (metric if not val_metric else f"{metric} / {val_metric}"))
     ax.set_title(title or f"{metric} per run")
     ax.grid(True, alpha=0.3)
     if ax.lines:
@@ -64,46 +71,74 @@ def plot_curves(df: pd.DataFrame, metric: str = "loss", *, val_metric: str | Non
     return fig
 
 
-def plot_budgets(table: pd.DataFrame, *, title: str = "Budget verdicts") -> Figure:
-    """The budget table as a figure: one row per (run, budget), PASS / FAIL / pending
-    coloured green / red / grey."""
+VERDICT_COLOURS = {"PASS": "#2e7d32", "FAIL": "#c62828", "pending": "#9e9e9e"}
+
+
+def verdict_of(passed) -> str:
+    """PASS / FAIL, or "pending" for an undecided budget (None, NaN or pandas' <NA>)."""
+    return "pending" if passed is None or pd.isna(passed) else ("PASS" if bool(passed) else "FAIL")
+
+
+def plot_budgets(table: pd.DataFrame, *, title: str = "Budgets: measured against limit") -> Figure:
+    """One panel per budget: each run's measured value as a bar (green PASS, red FAIL) against
+    the budget's limit (dashed line); an undecided budget is written "pending" with the reason.
+
+    `table`: `workbench.track.budget_chart.chart_data` (measured and limit in one display unit
+    per budget, `unit` and `direction` columns) or the raw `check`/`compare` table (values as
+    the budget computed them; no unit)."""
     Figure = _figure_class()
-    for col in ("budget", "measured", "limit", "passed"):
+    for col in ("budget", "measured", "limit"):
         if col not in table.columns:
             raise KeyError(f"plot_budgets: column {col!r} missing "
                            f"(columns: {list(table.columns)})")
-    cols = [c for c in ("run", "budget", "measured", "limit", "passed", "detail")
-            if c in table.columns]
-    cells, colours = [], []
-    for _, row in table.iterrows():
-        p = row["passed"]
-        verdict = "pending" if pd.isna(p) else ("PASS" if bool(p) else "FAIL")
-        colour = {"PASS": "#c8e6c9", "FAIL": "#ffcdd2", "pending": "#eeeeee"}[verdict]
-        line = []
-        for c in cols:
-            v = row[c]
-            if c == "passed":
-                line.append(verdict)
-            elif isinstance(v, float):
-                line.append("-" if math.isnan(v) else f"{v:.4g}")
-            else:
-                text = str(v)
-                line.append(text if len(text) <= 60 else text[:57] + "...")
-        cells.append(line)
-        colours.append([colour] * len(cols))
-    height = 0.7 + 0.3 * (max(len(cells), 1) + 1)
-    fig = Figure(figsize=(13.0, height), layout="constrained")
-    ax = fig.add_subplot()
-    ax.axis("off")
-    ax.set_title(title)
-    if cells:
-        t = ax.table(cellText=cells, cellColours=colours, colLabels=cols, bbox=(0, 0, 1, 1),
-                     cellLoc="left")
-        t.auto_set_font_size(False)
-        t.set_fontsize(9)
-        t.auto_set_column_width(list(range(len(cols))))
-    else:
+    if "verdict" not in table.columns and "passed" not in table.columns:
+        raise KeyError("plot_budgets: needs a 'verdict' or 'passed' column")
+    budgets = list(dict.fromkeys(table["budget"]))
+    fig = Figure(figsize=(9.0, 0.6 + max(1, len(budgets)) * (0.55 + 0.35 * max(
+        1, table.groupby("budget").size().max() if len(table) else 1))), layout="constrained")
+    if not budgets:
+        ax = fig.add_subplot()
+        ax.axis("off")
         ax.text(0.5, 0.5, "no budgets checked", ha="center", va="center")
+        return fig
+    axes = fig.subplots(len(budgets), 1, squeeze=False)[:, 0]
+    for ax, name in zip(axes, budgets):
+        g = table[table["budget"] == name].reset_index(drop=True)
+        runs = [str(r) for r in g["run"]] if "run" in g.columns else [""] * len(g)
+        verdicts = (list(g["verdict"]) if "verdict" in g.columns
+                    else [verdict_of(p) for p in g["passed"]])
+        measured = pd.to_numeric(g["measured"], errors="coerce").to_numpy(dtype=float)
+        limit = pd.to_numeric(g["limit"], errors="coerce").to_numpy(dtype=float)
+        ys = list(range(len(g)))[::-1]
+        finite = [m for m, v in zip(measured, verdicts) if v != "pending" and math.isfinite(m)]
+        lim = [x for x in limit if math.isfinite(x)]
+        span = finite + lim
+        hi = max(span) if span else 1.0
+        lo = min(min(span), 0.0) if span else 0.0
+        for y, m, v, lim_v in zip(ys, measured, verdicts, limit):
+            if v == "pending" or not math.isfinite(m):
+                ax.text(lo, y, "  pending", va="center", ha="left", color=VERDICT_COLOURS["pending"],
+                        fontsize="small")
+                continue
+            ax.barh(y, m, color=VERDICT_COLOURS[v], height=0.6, label=v)
+            ax.text(m, y, f" {m:.4g} ({v})", va="center", fontsize="x-small")
+        for y, lim_v in zip(ys, limit):
+            if math.isfinite(lim_v):
+                ax.plot([lim_v, lim_v], [y - 0.4, y + 0.4], color="k", ls="--", lw=1.2)
+        ax.set_yticks(ys)
+        ax.set_yticklabels(runs)
+        ax.set_ylim(-0.6, len(g) - 0.4)
+        width = (hi - lo) or 1.0
+        ax.set_xlim(lo - 0.02 * width, hi + 0.3 * width)  # room for the value labels
+        unit = str(g["unit"].iloc[0]) if "unit" in g.columns else "value the budget measures"
+        direction = str(g["direction"].iloc[0]) if "direction" in g.columns else ""
+        lim_txt = ", ".join(f"{x:.4g}" for x in dict.fromkeys(lim))
+        rule = {"max": "at most", "min": "at least"}.get(direction, "limit")
+        ax.set_title(f"{name}   (limit: {rule} {lim_txt}, dashed)", fontsize="medium", loc="left")
+        ax.set_xlabel(unit)
+        ax.set_ylabel("run")
+        ax.grid(True, axis="x", alpha=0.3)
+    fig.suptitle(title)
     return fig
 
 

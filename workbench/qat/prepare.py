@@ -52,6 +52,16 @@ class PrepareReport:
             lines.append(f"  ... and {len(self.skipped) - 20} more kept")
         return "\n".join(lines)
 
+    def __repr__(self) -> str:
+        # The dataclass repr would list every weight; ``str()`` has the details.
+        by_style: dict[str, int] = {}
+        for s in self.converted:
+            by_style[s.style] = by_style.get(s.style, 0) + 1
+        styles = ", ".join(f"{k}={v}" for k, v in sorted(by_style.items()))
+        return (f"PrepareReport({self.recipe}: {len(self.converted)} fake-quantized"
+                f"{f' ({styles})' if styles else ''}, {len(self.skipped)} kept in BF16, "
+                f"{len(self.notes)} notes)")
+
 
 class GroupedSeam:
     """Replaces ``GroupedExperts.grouped_mm``: fake-quantizes the in-scope weights (matched by

@@ -167,6 +167,26 @@ def wandb_run_id(out: Path, *, resume: bool) -> str:
     return run_id
 
 
+def final_summary(result: dict, cfg: TrainConfig) -> str:
+    """What a user looks for when the trainer ends: how far it got, the last losses, and
+    where the export and the metrics are."""
+    def num(v):
+        return "-" if v is None else f"{v:.4f}"
+
+    out = Path(cfg.out)
+    state = "stopped early (checkpointed; --resume continues)" if result.get("stopped") else "done"
+    lines = [(f"[train] {state}: step {result.get('step')}/{result.get('steps')}, recipe "
+             f"{result.get('recipe')}, world {result.get('world_size')}"),
+             (f"[train]   final loss {num(result.get('final_loss'))}, "
+             f"val_loss {num(result.get('final_val_loss'))}"),
+             f"[train]   export: {result.get('export') or 'none (pass --export)'}",
+             f"[train]   checkpoint: {result.get('checkpoint')}",
+             f"[train]   metrics: {out / 'metrics.jsonl'}, result: {out / 'result.json'}"]
+    if cfg.wandb == "offline":
+        lines.append(f"[train]   wandb (offline): wandb sync {out / 'wandb'}/offline-run-*")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     from workbench.train import distributed
     from workbench.train.determinism import enable as enable_determinism
@@ -198,6 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
         previous = _install_signal_handlers()
         try:
             result = train(cfg, info, logger=logger)
+            if info.is_main:
+                print(final_summary(result, cfg), flush=True)
             # Before finish(): a summary sent to a finished run is dropped.
             if logger is not None and not result["stopped"]:
                 logger.summary({k: v for k, v in result.items()
