@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .handle import FORMAT, RESULT_FILE, JobHandle, LaunchError
+from .handle import FORMAT, RESULT_FILE, JobHandle, LaunchError, process_token
 from .spec import LaunchSpec
 
 
@@ -123,6 +123,8 @@ def _handle(spec: LaunchSpec, run_folder: Path, submitit_folder: Path, job) -> J
               "run_folder": str(run_folder), "submitit_folder": str(submitit_folder),
               "submitted_at": _dt.datetime.now(_dt.UTC).isoformat(),
               "spec": dataclasses.replace(spec, folder=run_folder).to_json()}
+    if spec.executor == "local":  # the controller's pid may be reused after it exits
+        record["process_token"] = process_token(int(job.job_id))
     handle = JobHandle(run_folder, record, submitit_job=job)
     handle._save()
     return handle
