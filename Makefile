@@ -9,7 +9,7 @@ EXTRAS := dev,analysis,notebooks,track,launch,gpu
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lab venv clean-venv
+.PHONY: demo test lab screenshots venv clean-venv
 
 venv: $(STAMP)
 
@@ -29,6 +29,11 @@ test: $(STAMP)
 
 lab: $(STAMP)
 	bash jobs/lab.sh
+
+# Refresh the README's notebook pictures (notebooks/screenshots/*.png) from passing browser tests.
+# `make test` never writes there: its screenshots stay in runs/test-artifacts/ (ignored).
+screenshots: $(STAMP)
+	WORKBENCH_SCREENSHOTS_DIR=$(CURDIR)/notebooks/screenshots $(BIN)/python -m pytest -q -p no:cacheprovider tests/browser -n 0
 
 clean-venv:
 	rm -rf $(VENV)

@@ -19,7 +19,16 @@ if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && [ -f /etc/debian_version 
   apt_install || { timeout 300 apt-get update -q >/dev/null && apt_install; } ||
     echo "chromium did not install; browser tests will fail"
 fi
+# Tests write only to temporary or ignored folders: the clone's status must be the same after.
+status() { git status --porcelain --untracked-files=normal 2>/dev/null; }
+before=$(status)
 .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadgroup "$@"
 rc=$?
 if [ "$rc" = 5 ]; then echo "pytest collected no tests"; fi
+after=$(status)
+if [ "$before" != "$after" ]; then
+  echo "the test run modified the clone (git status before/after differ):"
+  diff <(echo "$before") <(echo "$after")
+  [ "$rc" = 0 ] && rc=1
+fi
 exit $rc

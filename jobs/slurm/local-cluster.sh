@@ -62,7 +62,22 @@ healthy() {
   for n in "${NODES[@]}"; do
     grep -Eq "^$n (idle|mix|alloc)\$" <<<"$states" || return 1
   done
-  timeout 10 sacct -n -X -S now-1minutes -o JobID >/dev/null 2>&1 || return 1
+  accounting_ready
+}
+
+# Accounting really answers: slurmctld has registered with slurmdbd (the cluster row carries its
+# control host), and sacct, which opens a new connection to slurmdbd every call, succeeds three
+# times in a row. One success right after a start is not enough: slurmdbd and slurmctld are
+# still connecting, and the next sacct can fail with "failed to open persistent connection".
+accounting_ready() {
+  local host i
+  host=$(timeout 10 sacctmgr -n -P show cluster "$CLUSTER" format=ControlHost 2>/dev/null) || return 1
+  [[ -n ${host// /} ]] || return 1
+  for i in 1 2 3; do
+    timeout 10 sacct -n -X -S now-1minutes -o JobID >/dev/null 2>&1 || return 1
+    ((i < 3)) && sleep 0.3
+  done
+  return 0
 }
 
 both_idle() {
@@ -237,6 +252,6 @@ slurmctld -c -i 9>&-
 wait_for "$WAIT_S" "slurmctld" scontrol ping
 for n in "${NODES[@]}"; do slurmd -N "$n" 9>&-; done
 wait_for "$WAIT_S" "both nodes idle" both_idle
-wait_for "$WAIT_S" "sacct" sacct -n -X -S now-1minutes -o JobID
+wait_for "$WAIT_S" "accounting (slurmctld registered with slurmdbd, sacct answering)" accounting_ready
 
 ready_line

@@ -48,9 +48,12 @@ def artifacts(request) -> Path:
 
 @pytest.fixture
 def screenshot_dirs(artifacts) -> list[Path]:
-    """Where screenshots go once a test has passed: its artifacts and, unless
-    WORKBENCH_UPDATE_SCREENSHOTS=0, ``notebooks/screenshots`` (what the README shows)."""
+    """Where screenshots go once a test has passed: its artifacts folder (ignored by git), and
+    also WORKBENCH_SCREENSHOTS_DIR when set. A test run never touches the tracked
+    ``notebooks/screenshots`` by itself; `make screenshots` refreshes the README's pictures by
+    setting WORKBENCH_SCREENSHOTS_DIR to that folder."""
     dirs = [artifacts]
-    if os.environ.get("WORKBENCH_UPDATE_SCREENSHOTS", "1") != "0":
-        dirs.append(SCREENSHOTS)
+    extra = os.environ.get("WORKBENCH_SCREENSHOTS_DIR")
+    if extra:
+        dirs.append(Path(extra).resolve())
     return dirs

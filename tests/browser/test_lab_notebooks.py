@@ -3,7 +3,8 @@
 Each test copies a notebook into a fresh JupyterLab root with its parameters cell edited (small
 inputs), runs every cell from the menu, checks what the browser shows (rendered PNGs, the expert
 picker reacting, live progress of a launch), and saves screenshots: as test artifacts always, and
-into ``notebooks/screenshots/`` (the README walk-through's pictures) once the test has passed.
+into WORKBENCH_SCREENSHOTS_DIR once the test has passed (`make screenshots` points it at
+``notebooks/screenshots/``, the README walk-through's pictures).
 """
 
 from __future__ import annotations

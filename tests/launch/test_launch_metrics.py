@@ -1,5 +1,5 @@
 """JobHandle.metrics' reader: last entry per step wins, a line in flight is skipped, a run that has
-not logged yet is an empty frame, bad lines are named."""
+not logged yet is an empty frame, bad lines are skipped and named."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from workbench.launch import read_metrics
-from workbench.track.metrics import BadMetricsFile
+from workbench.track.metrics import MetricsLineSkipped
 
 
 def test_resumed_run_reads_as_one_curve(tmp_path):
@@ -33,7 +33,8 @@ def test_partial_last_line_is_skipped_and_no_file_is_empty(tmp_path):
 
 
 @pytest.mark.parametrize("bad", ['{"step": 1, "loss": 1}\nnot json\n', '[1, 2]\n'])
-def test_bad_lines_raise_naming_file_and_line(tmp_path, bad):
+def test_bad_lines_are_skipped_naming_file_and_line(tmp_path, bad):
     (tmp_path / "metrics.jsonl").write_text(bad)
-    with pytest.raises(BadMetricsFile, match=r"metrics\.jsonl:\d"):
-        read_metrics(tmp_path)
+    with pytest.warns(MetricsLineSkipped, match=r"metrics\.jsonl:\d"):
+        df = read_metrics(tmp_path)
+    assert df["step"].tolist() == ([1] if bad.startswith("{") else [])

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
+import warnings
 from pathlib import Path
 
 from .spec import LaunchSpec
@@ -24,6 +26,19 @@ FORMAT = "workbench.launch/1"
 # States after which a job never runs again (a requeued job shows REQUEUED/PENDING instead).
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
                       "BOOT_FAIL", "DEADLINE", "PREEMPTED", "REVOKED", "SPECIAL_EXIT"})
+
+
+# A Slurm job id ("4242") or array element ("4242_3"); a local job id is the controller's pid.
+JOB_ID = re.compile(r"^[0-9]+(_[0-9]+)?$")
+MAX_RECORD_BYTES = 1 << 20  # launch.json and index entries are a few KiB; refuse anything huge
+# Transient failures of Slurm's client commands: accounting (slurmdbd) or the controller not
+# answering yet (a restart), or answering slowly under load. Retried, with a bound.
+_TRANSIENT = re.compile(r"persistent connection|slurm_persist_conn|Connection refused|"
+                        r"Unable to contact slurm controller|Socket timed out|"
+                        r"Zero Bytes were transmitted|Transport endpoint|"
+                        r"slurmdbd|try again|Resource temporarily unavailable", re.IGNORECASE)
+QUERY_TRIES = 6
+QUERY_FIRST_WAIT_S = 1.0
 
 
 class LaunchError(RuntimeError):
@@ -59,31 +74,145 @@ def _run(cmd: list[str], timeout: float = 30) -> str:
     return out.stdout
 
 
+def _query(cmd: list[str]) -> str:
+    """`_run` for read-only queries (sacct, squeue): a transient failure (daemon restarting,
+    accounting not connected yet, a timeout under load) is retried with a doubling wait, at most
+    QUERY_TRIES times (about half a minute in all); any other failure, or the last one, raises."""
+    tries, wait = QUERY_TRIES, QUERY_FIRST_WAIT_S
+    for attempt in range(1, tries + 1):
+        try:
+            return _run(cmd)
+        except LaunchError as e:
+            cause = e.__cause__
+            transient = isinstance(cause, subprocess.TimeoutExpired) or (
+                isinstance(cause, subprocess.CalledProcessError)
+                and _TRANSIENT.search(cause.stderr or ""))
+            if not transient or attempt == tries:
+                raise
+            warnings.warn(f"{e} (attempt {attempt} of {tries}; retrying in {wait:.0f}s)",
+                          RuntimeWarning, stacklevel=2)
+            time.sleep(wait)
+            wait = min(2 * wait, 16.0)
+    raise AssertionError("unreachable")
+
+
 def slurm_state(job_id: str) -> str:
     """Fresh Slurm state of one job (or array element `123_4`), e.g. 'RUNNING', 'CANCELLED'."""
-    out = _run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "JobID,State"])
+    out = _query(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "JobID,State"])
     for line in out.splitlines():
         jid, _, state = line.partition("|")
         if jid.strip() == job_id and state:
             return state.split()[0]  # "CANCELLED by 0" -> "CANCELLED"
     # Accounting can lag a second or two behind the controller right after submission.
-    out = _run(["squeue", "-h", "-j", job_id, "-o", "%T"])
+    out = _query(["squeue", "-h", "-j", job_id, "-o", "%T"])
     states = out.split()
     return states[0] if states else "UNKNOWN"
 
 
-def _pid_running(pid: int) -> bool:
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name: [state, ppid, ...]; None if there is no such pid."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # an exited child of this very process is a zombie until reaped: not running
         stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
-        return True
+        return None
+    return stat.rsplit(")", 1)[1].split()
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def process_token(pid: int) -> str | None:
+    """Identifies one process for its whole life: boot id + start time (clock ticks since boot).
+    A pid is reused by the kernel; this pair is not."""
+    fields = _stat_fields(pid)
+    return None if fields is None else f"{_boot_id()}:{fields[19]}"
+
+
+def _pid_running(pid: int, token: str | None = None) -> bool:
+    """The process `pid` is alive (not a zombie) and, when `token` is given, is still the very
+    process that token was taken from, not a newer one that got the same pid."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return token is None
+        return token is None  # alive but /proc unreadable: identity cannot be checked
+    if fields[0] == "Z":  # an exited child of this very process is a zombie until reaped
+        return False
+    return token is None or f"{_boot_id()}:{fields[19]}" == token
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (the controller's tasks and anything they started)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _read_record(path: Path, what: str) -> dict:
+    """A small JSON object from `path`, or LaunchError naming the file."""
+    try:
+        if path.is_symlink() or not path.is_file():
+            raise LaunchError(f"{path}: {what} is not a regular file")
+        if path.stat().st_size > MAX_RECORD_BYTES:
+            raise LaunchError(f"{path}: {what} is larger than {MAX_RECORD_BYTES} bytes")
+        obj = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise LaunchError(f"cannot read {what} {path}: {e}") from e
+    if not isinstance(obj, dict):
+        raise LaunchError(f"{path}: {what} must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _check_record(path: Path, record: dict) -> None:
+    if record.get("format") != FORMAT:
+        raise LaunchError(f"{path}: format {record.get('format')!r}, expected {FORMAT!r}")
+    for key in ("executor", "job_id", "submitit_folder", "spec"):
+        if key not in record:
+            raise LaunchError(f"{path}: missing key {key!r}")
+    if record["executor"] not in ("local", "slurm"):
+        raise LaunchError(f"{path}: executor {record['executor']!r}, expected 'local' or 'slurm'")
+    jid = record["job_id"]
+    if not isinstance(jid, str) or not JOB_ID.match(jid) or (
+            record["executor"] == "local" and "_" in jid):
+        raise LaunchError(f"{path}: job_id {jid!r} is not a job id")
+    if not isinstance(record["submitit_folder"], str):
+        raise LaunchError(f"{path}: submitit_folder must be a string")
+    token = record.get("process_token")
+    if token is not None and not isinstance(token, str):
+        raise LaunchError(f"{path}: process_token must be a string")
+    if not isinstance(record["spec"], dict):
+        raise LaunchError(f"{path}: spec must be a JSON object")
+    try:
+        LaunchSpec.from_json(record["spec"])
+    except Exception as e:  # a LaunchSpecError, or a TypeError for an unknown field
+        raise LaunchError(f"{path}: bad spec: {e}") from e
 
 
 class JobHandle:
@@ -124,19 +253,22 @@ class JobHandle:
     def attach(cls, folder_or_id: str | Path) -> JobHandle:
         """Re-attach from a new kernel by run folder or job id (e.g. '4242' or '4242_3')."""
         p = Path(folder_or_id)
-        if not (p / LAUNCH_FILE).is_file():
-            entry = index_dir() / f"{folder_or_id}.json"
-            if not entry.is_file():
-                raise LaunchError(f"no run folder with {LAUNCH_FILE} at {str(p)!r} and no job "
-                                  f"{str(folder_or_id)!r} in the launch index {index_dir()}")
-            p = Path(json.loads(entry.read_text())["folder"])
-        try:
-            record = json.loads((p / LAUNCH_FILE).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise LaunchError(f"cannot read {p / LAUNCH_FILE}: {e}") from e
-        if record.get("format") != FORMAT:
-            raise LaunchError(f"{p / LAUNCH_FILE}: format {record.get('format')!r}, "
-                              f"expected {FORMAT!r}")
+        if not (p / LAUNCH_FILE).exists():
+            key = str(folder_or_id)
+            # Only a job id names an index entry, so "../x" cannot reach outside the index.
+            if not JOB_ID.match(key):
+                raise LaunchError(f"no run folder with {LAUNCH_FILE} at {key!r}, and {key!r} is "
+                                  "not a job id")
+            entry = index_dir() / f"{key}.json"
+            if not entry.exists():
+                raise LaunchError(f"no run folder with {LAUNCH_FILE} at {key!r} and no job "
+                                  f"{key!r} in the launch index {index_dir()}")
+            folder = _read_record(entry, "launch index entry").get("folder")
+            if not isinstance(folder, str):
+                raise LaunchError(f"{entry}: 'folder' must be a string, got {folder!r}")
+            p = Path(folder)
+        record = _read_record(p / LAUNCH_FILE, LAUNCH_FILE)
+        _check_record(p / LAUNCH_FILE, record)
         return cls(p, record)
 
     # --- state ---------------------------------------------------------------------------------
@@ -145,7 +277,7 @@ class JobHandle:
         """Fresh state, Slurm names: PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ..."""
         if self.executor == "slurm":
             return slurm_state(self.job_id)
-        if _pid_running(int(self.job_id)):
+        if _pid_running(int(self.job_id), self._record.get("process_token")):
             return "RUNNING"
         if (self.folder / RESULT_FILE).is_file():
             return "COMPLETED"
@@ -197,16 +329,45 @@ class JobHandle:
                                  f"{self.log_tail(30)}")
         return json.loads(path.read_text())["result"]
 
-    def cancel(self) -> None:
+    def cancel(self, grace_s: float = 10.0, timeout_s: float = 60.0) -> str:
+        """Stop the job; returns its state afterwards.
+
+        Slurm: `scancel`, then the state as Slurm reports it (CANCELLED once accounting has it).
+        Local: submitit's controller turns SIGINT into stopping its tasks, but a process started
+        with SIGINT ignored (any background job of a non-interactive shell) keeps ignoring it, and
+        the tasks ignore the SIGTERM it forwards. So: SIGINT to the controller and SIGTERM to the
+        tasks, up to `grace_s` to exit, then SIGKILL to the tasks (and their children) and the
+        controller; LaunchError if anything is still alive after `timeout_s`."""
         if self.executor == "slurm":
             _run(["scancel", self.job_id])
-        else:
-            self._record["cancelled"] = True
-            self._save()
-            try:  # submitit's local controller turns SIGINT into killing its tasks
-                os.kill(int(self.job_id), signal.SIGINT)
-            except ProcessLookupError:
-                pass
+            return self.state
+        self._record["cancelled"] = True
+        self._save()
+        pid, token = int(self.job_id), self._record.get("process_token")
+        if not _pid_running(pid, token):  # finished, or the pid is another process's by now
+            return self.state
+        tasks = _descendants(pid)
+        _signal([pid], signal.SIGINT)
+        _signal(tasks, signal.SIGTERM)
+        end = time.monotonic() + grace_s
+        while time.monotonic() < end and (_pid_running(pid, token)
+                                          or any(_pid_running(t) for t in tasks)):
+            time.sleep(0.1)
+        end = time.monotonic() + timeout_s
+        while _pid_running(pid, token) or any(_pid_running(t) for t in tasks):
+            if time.monotonic() > end:
+                raise LaunchError(f"local job {self.job_id} is still alive {timeout_s}s after "
+                                  f"SIGKILL\n{self.log_tail(10)}")
+            tasks = sorted(set(tasks) | set(_descendants(pid) if _pid_running(pid, token) else []))
+            _signal([t for t in tasks if _pid_running(t)], signal.SIGKILL)
+            if _pid_running(pid, token):
+                _signal([pid], signal.SIGKILL)
+            time.sleep(0.1)
+        if self._job is not None:  # reap our own child, so it does not linger as a zombie
+            proc = getattr(self._job, "_process", None)
+            if proc is not None:
+                proc.poll()
+        return self.state
 
     def interrupt(self) -> None:
         """Simulate preemption: the job checkpoints at the next step boundary, requeues itself and
@@ -218,7 +379,8 @@ class JobHandle:
             return
         # submitit's LocalJob._interrupt() signals its controller, which has no USR2 handler and
         # dies; the tasks (the controller's children) are the ones that must get it.
-        tasks = _children(int(self.job_id))
+        pid = int(self.job_id)
+        tasks = _children(pid) if _pid_running(pid, self._record.get("process_token")) else []
         if not tasks:
             raise LaunchError(f"local job {self.job_id} has no running tasks to interrupt")
         for pid in tasks:

@@ -21,6 +21,10 @@ DEFAULT_TARGET = "workbench.train.cli:main"
 DEFAULT_STOP_HOOK = "workbench.train.loop:request_stop"
 _DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _NAME = re.compile(r"^[A-Za-z0-9_.+\-]+$")
+# Both maps end up in the generated sbatch script (`export KEY=...`, `#SBATCH --key=value`): keys
+# must be plain names, and no value may start a new script line.
+_KEY_RULES = {"env": re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$"),
+              "sbatch": re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")}
 
 
 class LaunchSpecError(ValueError):
@@ -35,6 +39,12 @@ def _frozen_str_map(value: Mapping[str, object] | None, what: str) -> Mapping[st
     for k, v in value.items():
         if not isinstance(k, str) or not k:
             raise LaunchSpecError(f"{what}: keys must be non-empty strings, got {k!r}")
+        rule = _KEY_RULES.get(what)
+        if rule is not None and not rule.match(k):
+            raise LaunchSpecError(f"{what}: key {k!r} is not a valid name "
+                                  f"(must match {rule.pattern})")
+        if "\n" in str(v) or "\r" in str(v) or "\0" in str(v):
+            raise LaunchSpecError(f"{what}[{k!r}]: value must be one line, got {str(v)!r}")
         out[k] = str(v)
     return MappingProxyType(out)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from workbench.train.determinism import LAUNCH_ENV as DETERMINISTIC_ENV
 
 from .fits import check_fits
-from .handle import FORMAT, RESULT_FILE, JobHandle, LaunchError
+from .handle import FORMAT, RESULT_FILE, JobHandle, LaunchError, process_token
 from .spec import LaunchSpec
 
 
@@ -130,6 +130,8 @@ def _handle(spec: LaunchSpec, run_folder: Path, submitit_folder: Path, job) -> J
               "run_folder": str(run_folder), "submitit_folder": str(submitit_folder),
               "submitted_at": _dt.datetime.now(_dt.UTC).isoformat(),
               "spec": dataclasses.replace(spec, folder=run_folder).to_json()}
+    if spec.executor == "local":  # the controller's pid may be reused after it exits
+        record["process_token"] = process_token(int(job.job_id))
     handle = JobHandle(run_folder, record, submitit_job=job)
     handle._save()
     return handle

@@ -28,13 +28,13 @@ from workbench.track.logger import (
     WandbLogger,
     make_logger,
 )
-from workbench.track.metrics import BadMetricsFile, as_metrics, read_metrics
+from workbench.track.metrics import BadMetricsFile, MetricsLineSkipped, as_metrics, read_metrics
 from workbench.track.offline import OfflineRun, find_runs, merge_segments, read_run
 from workbench.track.wandb_file import CorruptRunFile
 
 __all__ = [
     "BadMetricsFile", "Budget", "BudgetWatch", "Comparison", "CorruptRunFile", "FakeQuantShare",
-    "Logger", "LossFinite", "NoDivergence", "NullLogger", "OfflineRun", "PeakMemory", "RunData",
+    "Logger", "LossFinite", "MetricsLineSkipped", "NoDivergence", "NullLogger", "OfflineRun", "PeakMemory", "RunData",
     "StepTimeRatio", "TokensPerSecRatio", "TrackingWarning", "ValLossWithin", "Verdict",
     "WandbConfig", "WandbLogger", "as_metrics", "check", "compare", "default_budgets",
     "find_runs", "load_runs", "make_logger", "merge_segments", "publish", "read_metrics",

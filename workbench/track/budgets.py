@@ -63,6 +63,16 @@ def _positive(name: str, **values: float) -> None:
             raise ValueError(f"{name}: {k} must be a finite number > 0, got {v!r}")
 
 
+def _pct_gap(q: float, base: float) -> float:
+    """100 x (q - base) / base; a baseline of 0 gives 0 for an equal value and +-inf otherwise
+    (any excess over a zero loss is infinitely many percent), a non-finite q gives +inf."""
+    if not math.isfinite(q):
+        return math.inf
+    if base == 0:
+        return 0.0 if q == 0 else math.copysign(math.inf, q)
+    return 100.0 * (q - base) / base
+
+
 # --- convergence -------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -107,11 +117,15 @@ class ValLossWithin:
         vals = pd.to_numeric(run.set_index("step")[self.metric], errors="coerce")
         step = steps[-1]
         q = float(vals.get(step, math.nan))
-        if math.isnan(q) and step == last and len(steps) > 1:
-            step = steps[-2]  # the newest row of a live run may still lack its validation loss
+        # The newest row of a live run may still lack its validation loss: judge the one before.
+        # Not once the run has reached the baseline's last step (the end of the shared
+        # schedule): a finished run's final NaN is a NaN, and fails.
+        still_running = last < int(baseline["step"].max())
+        if math.isnan(q) and step == last and len(steps) > 1 and still_running:
+            step = steps[-2]
             q = float(vals.get(step, math.nan))
         base = float(b.loc[b["step"] == step, self.metric].iloc[-1])
-        gap = 100.0 * (q - base) / base if math.isfinite(q) else math.inf
+        gap = _pct_gap(q, base)
         ok = math.isfinite(gap) and gap <= self.pct
         return Verdict(self.name, gap, self.pct, ok,
                        f"step {step}: {q:.6g} vs baseline {base:.6g} ({gap:+.3g}%)")
@@ -273,7 +287,10 @@ class _RatioToBaseline:
         if nq == 0 or nb == 0:
             return math.nan, (f"need > {self.warmup} warm-up steps of {self.column} "
                               f"(run {nq}, baseline {nb} after warm-up)")
-        return q / b, f"median {q:.4g} vs baseline {b:.4g} over {nq}/{nb} steps"
+        detail = f"median {q:.4g} vs baseline {b:.4g} over {nq}/{nb} steps"
+        if b == 0:  # a zero median baseline: equal is 1x, anything above is infinitely more
+            return (1.0 if q == 0 else math.inf), detail + " (baseline median is 0)"
+        return q / b, detail
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import pandas as pd
 
 from workbench.track.budgets import COLUMNS, Budget, check, default_budgets
 from workbench.track.metrics import METRICS_FILE, as_metrics, read_metrics
+from workbench.track.wandb_file import CorruptRunFile
 
 # Recipe names that mean "no quantization": the run every QAT run is measured against.
 BASELINE_RECIPES = ("bf16", "none", "baseline")
@@ -51,6 +52,7 @@ class Comparison:
     runs: list[RunData]
     curves: pd.DataFrame  # long form: run, recipe, step, <metrics...>
     budgets: pd.DataFrame  # run, baseline, budget, measured, limit, passed, detail
+    corrupt: list[CorruptRunFile] = field(default_factory=list)  # run files that were skipped
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -73,10 +75,12 @@ def load_run_folder(folder: str | Path) -> RunData:
 
 
 def load_runs(path: str | Path, group: str | None = None,
-              source: Literal["auto", "wandb", "metrics"] = "auto") -> list[RunData]:
+              source: Literal["auto", "wandb", "metrics"] = "auto",
+              corrupt: list[CorruptRunFile] | None = None) -> list[RunData]:
     """Every run under `path`. `source="auto"` reads wandb offline runs when there are any
     (they carry config and summary), else the trainer's metrics.jsonl folders. wandb runs of
-    one folder with the same group and name are attempts at one run and are merged."""
+    one folder with the same group and name are attempts at one run and are merged. A damaged
+    wandb run file raises CorruptRunFile, or with a `corrupt` list is skipped and put there."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such run-group folder")
@@ -87,7 +91,7 @@ def load_runs(path: str | Path, group: str | None = None,
             return [RunData(name=r.name, metrics=as_metrics(r), config=r.config,
                             summary=r.summary, source=";".join(r.paths),
                             folder=_trainer_folder(r.paths[0]))
-                    for r in _wandb_runs(p, group)]
+                    for r in _wandb_runs(p, group, corrupt)]
         if source == "wandb":
             raise FileNotFoundError(f"{p}: no wandb run files (run-*.wandb) under this folder")
     runs = [load_run_folder(f.parent) for f in sorted(p.rglob(METRICS_FILE))]
@@ -103,13 +107,13 @@ def _trainer_folder(run_file: str) -> Path:
     return Path(run_file).parents[2]
 
 
-def _wandb_runs(path: Path, group: str | None):
+def _wandb_runs(path: Path, group: str | None, corrupt: list[CorruptRunFile] | None = None):
     from workbench.track.offline import find_runs, merge_segments
 
     # The trainer logs to <run folder>/wandb/. A resumed job may start a new wandb run (new
     # id) in the same folder under the same name and group: those are attempts at one run.
     attempts: dict[tuple[str, str, str], list] = {}
-    for r in find_runs(path, group=group):
+    for r in find_runs(path, group=group, corrupt=corrupt):
         folder = str(_trainer_folder(r.paths[0]))
         attempts.setdefault((folder, r.group, r.name), []).append(r)
     runs = [merge_segments(a) for a in attempts.values()]
@@ -162,8 +166,11 @@ def compare(runs: str | Path | Sequence[RunData], budgets: Sequence[Budget] | No
             baseline: str | None = None, group: str | None = None) -> Comparison:
     """Curves of all runs and the budget table of every non-baseline run. `baseline` names
     the baseline run explicitly (otherwise: recipe bf16/none of the same seed)."""
+    corrupt: list[CorruptRunFile] = []
     if isinstance(runs, (str, Path)):
-        runs = load_runs(runs, group=group)
+        # One damaged run file must not hide the verdicts of the others: it is skipped, listed
+        # in `Comparison.corrupt`, and failed in the budget table.
+        runs = load_runs(runs, group=group, corrupt=corrupt)
     runs = list(runs)
     budgets = default_budgets() if budgets is None else budgets
     names = [r.name for r in runs]
@@ -179,6 +186,11 @@ def compare(runs: str | Path | Sequence[RunData], budgets: Sequence[Budget] | No
         t.insert(0, "baseline", None if base is None else base.name)
         t.insert(0, "run", r.name)
         tables.append(t)
+    for exc in corrupt:
+        row = {"run": exc.path, "baseline": None, "budget": "run file readable",
+               "measured": float("nan"), "limit": float("nan"), "passed": False,
+               "detail": str(exc)}
+        tables.append(pd.DataFrame([row]).astype({"passed": "boolean"}))
     table = (pd.concat(tables, ignore_index=True) if tables
              else pd.DataFrame(columns=["run", "baseline", *COLUMNS]))
-    return Comparison(runs=runs, curves=curves(runs), budgets=table)
+    return Comparison(runs=runs, curves=curves(runs), budgets=table, corrupt=corrupt)

@@ -7,11 +7,12 @@ Budgets and comparisons work on one shape only: a DataFrame with an integer `ste
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pandas as pd
+
+from workbench.train.metrics import MetricsLineSkipped, parse_metrics_lines
 
 if TYPE_CHECKING:
     from workbench.track.offline import OfflineRun
@@ -19,33 +20,29 @@ if TYPE_CHECKING:
 METRICS_FILE = "metrics.jsonl"
 
 
+__all__ = ["METRICS_FILE", "BadMetricsFile", "MetricsLineSkipped", "as_metrics", "read_metrics"]
+
+
 class BadMetricsFile(ValueError):
-    """A metrics.jsonl line (other than a partly written last line) is not a JSON object."""
+    """The metrics file itself cannot be read (its lines are judged one by one: a bad line is
+    skipped with a MetricsLineSkipped warning)."""
 
 
 def read_metrics(path: str | Path) -> pd.DataFrame:
     """Read DIR/metrics.jsonl (or the file itself). A last line without its newline is a
-    step being written right now and is skipped, so this is safe on a live run."""
+    step being written right now and is skipped, so this is safe on a live run; a damaged line
+    (not UTF-8, not JSON, a non-integer step, a non-numeric value) is skipped with a
+    MetricsLineSkipped warning naming file:line (the trainer's resume truncation reads the
+    file with the same rule, workbench.train.metrics.parse_metrics_lines)."""
     p = Path(path)
     if p.is_dir():
         p = p / METRICS_FILE
     if not p.is_file():
         raise FileNotFoundError(f"{p}: no metrics file")
-    text = p.read_text()
-    lines = text.split("\n")
-    if not text.endswith("\n"):
-        lines = lines[:-1]
-    rows: list[dict[str, Any]] = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise BadMetricsFile(f"{p}:{i}: not JSON ({exc.msg})") from exc
-        if not isinstance(row, dict):
-            raise BadMetricsFile(f"{p}:{i}: expected a JSON object, got {type(row).__name__}")
-        rows.append(row)
+    try:
+        rows = parse_metrics_lines(p)
+    except OSError as exc:
+        raise BadMetricsFile(f"{p}: cannot read ({exc})") from exc
     return as_metrics(pd.DataFrame(rows), source=str(p))
 
 

@@ -86,12 +86,22 @@ def read_run(path: str | Path) -> OfflineRun:
     return _decode(files[0])
 
 
-def find_runs(wandb_dir: str | Path, group: str | None = None) -> list[OfflineRun]:
+def find_runs(wandb_dir: str | Path, group: str | None = None,
+              corrupt: list[CorruptRunFile] | None = None) -> list[OfflineRun]:
     """Every run under `wandb_dir` (resumed segments merged by run id), oldest first;
-    only those of run group `group` when given."""
+    only those of run group `group` when given. A damaged run file raises CorruptRunFile,
+    unless a `corrupt` list is given: then it is appended there (and warned about) and the
+    other runs are still read."""
     segments: dict[str, list[OfflineRun]] = {}
     for f in run_files(wandb_dir):
-        seg = _decode(f)
+        try:
+            seg = _decode(f)
+        except CorruptRunFile as exc:
+            if corrupt is None:
+                raise
+            corrupt.append(exc)
+            warnings.warn(f"skipped: {exc}", stacklevel=2)
+            continue
         if group is None or seg.group == group:
             segments.setdefault(seg.id, []).append(seg)
     runs = [merge_segments(segs) for segs in segments.values()]

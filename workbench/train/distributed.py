@@ -63,7 +63,13 @@ def setup() -> DistInfo:
 
 
 def teardown(info: DistInfo) -> None:
+    """Destroy the group setup() created. Every rank first passes a barrier: a rank that finished
+    the last collective early must not close its gloo connections (and join their transport
+    threads) while a peer is still reading from them, which can end the peer's process in
+    std::terminate at exit instead of a clean exit 0."""
     if info.owns_group and dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -5,10 +5,57 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLineSkipped(UserWarning):
+    """A metrics.jsonl line was left out: not UTF-8, not JSON, or not a row of the schema."""
+
+
+def _row_problem(row: Any) -> str | None:
+    """Why `row` is not a metrics row (a JSON object with an integer `step` >= 0 and numeric,
+    boolean or null values), or None if it is one."""
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got {type(row).__name__}"
+    step = row.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"'step' must be an integer >= 0, got {step!r}"
+    for k, v in row.items():
+        if v is not None and not isinstance(v, (int, float)):  # bool is an int
+            return f"{k!r} must be a number, a boolean or null, got {type(v).__name__}"
+    return None
+
+
+def parse_metrics_lines(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl file, in order. A last line without its newline is a step
+    being written (or one a kill cut short) and is left out silently; any other line that is not
+    UTF-8, not JSON or not a row is left out with a MetricsLineSkipped warning naming
+    file:line, so one damaged line never hides the rest of a run."""
+    p = Path(path)
+    data = p.read_bytes()
+    lines = data.split(b"\n")
+    lines = lines[:-1]  # after the last newline: b"" or a line still being written
+    rows: list[dict[str, Any]] = []
+    for i, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            why = f"not UTF-8 ({exc.reason} at byte {exc.start})"
+        except (json.JSONDecodeError, RecursionError) as exc:
+            why = f"not JSON ({getattr(exc, 'msg', exc)})"
+        else:
+            why = _row_problem(row)
+            if why is None:
+                rows.append(row)
+                continue
+        warnings.warn(f"{p}:{i}: line skipped: {why}", MetricsLineSkipped, stacklevel=2)
+    return rows
 
 
 def _clean(v: Any) -> Any:
@@ -34,17 +81,11 @@ class MetricsWriter:
 
 
 def read_metrics(out: str | Path) -> list[dict[str, Any]]:
-    """Every complete line; a torn last line (killed mid-write) is skipped."""
+    """Every complete, valid line (see parse_metrics_lines); a torn last line is skipped."""
     path = Path(out) / METRICS_FILE
     if not path.is_file():
         return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    return parse_metrics_lines(path)
 
 
 def truncate_metrics(out: str | Path, step: int) -> None:
@@ -52,7 +93,7 @@ def truncate_metrics(out: str | Path, step: int) -> None:
     path = Path(out) / METRICS_FILE
     if not path.is_file():
         return
-    keep = [r for r in read_metrics(out) if int(r.get("step", -1)) <= step]
+    keep = [r for r in read_metrics(out) if r["step"] <= step]
     tmp = path.with_suffix(".jsonl.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in keep)
