@@ -87,9 +87,35 @@ class _Pool:
         self.buf, self.gen = make(n, gen), gen
 
     def take(self, shape) -> torch.Tensor:
+        """A view (no copy): ``_write_safetensors`` streams views straight to the file."""
         n = math.prod(shape)
         off = int(torch.randint(0, self.buf.numel() - n + 1, (1,), generator=self.gen))
-        return self.buf[off:off + n].reshape(shape).clone()
+        return self.buf[off:off + n].reshape(shape)
+
+
+_ST_DTYPE = {torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3", torch.bfloat16: "BF16",
+             torch.float32: "F32"}
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """The safetensors format written directly (8-byte header length, JSON header, raw bytes),
+    so tensors may be views of one random pool (``save_file`` refuses shared storage and would
+    copy); atomic via a temporary name."""
+    header, off = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPE[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little"))
+        fh.write(raw)
+        for t in tensors.values():
+            fh.write(memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()))
+    os.replace(tmp, path)
 
 
 def _pools(fmt: str, gen: torch.Generator, n: int) -> dict:
@@ -153,7 +179,6 @@ def _quant_config(fmt: str) -> tuple[dict | None, dict | None]:
 
 def build(fmt: str, path: Path, layers: int, s: Shape, seed: int = 0) -> Path:
     """Write (once; reused when its marker matches) a ``layers``-layer checkpoint of ``fmt``."""
-    from safetensors.torch import save_file
     from tqdm import tqdm
 
     marker = {"fmt": fmt, "layers": layers, **asdict(s), "seed": seed, "v": 1}
@@ -163,14 +188,13 @@ def build(fmt: str, path: Path, layers: int, s: Shape, seed: int = 0) -> Path:
         shutil.rmtree(path)
     path.mkdir(parents=True)
     gen = torch.Generator().manual_seed(seed)
-    pools = _pools(fmt, gen, 1 << 27)
+    pools = _pools(fmt, gen, 1 << 26)
     shard, size, files, wmap = {}, 0, [], {}
 
     def flush():
         nonlocal shard, size
         name = f"model-{len(files) + 1:05d}.safetensors"
-        save_file(shard, str(path / (name + ".tmp")), metadata={"format": "pt"})
-        os.replace(path / (name + ".tmp"), path / name)
+        _write_safetensors(path / name, shard)
         files.append(name)
         wmap.update(dict.fromkeys(shard, name))
         shard, size = {}, 0
@@ -326,11 +350,15 @@ def main(argv: list[str] | None = None) -> int:
                     "and compare tables (slow: ~30 ns per element on CPU)")
     ap.add_argument("--small-shape", action="store_true",
                     help="hidden 512, FFN 256, 16 experts (quick CPU runs)")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="experts per layer (default 128; fewer for quick CPU runs)")
     ap.add_argument("--cleanup", action="store_true", help="delete each format's files after it")
     ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT")
                     else None, help="also write the table here (default: $OUT when set)")
     args = ap.parse_args(argv)
     shape = Shape(512, 256, 16, 0.25) if args.small_shape else Shape()
+    if args.experts:
+        shape = Shape(shape.hidden, shape.inter, args.experts, shape.shard_gb)
     fmts = [f for f in args.formats.split(",") if f]
     qs = [q for q in args.questions.split(",") if q]
     bad = [f for f in fmts if f not in FORMATS] + [q for q in qs if q not in QUESTIONS]

@@ -1,6 +1,7 @@
 """Numbers, not pictures: per-expert quantization error tables from a checkpoint."""
 
 from .metrics import METRICS, block_scales, error_metrics, grid_mismatch, scale_exponents
+from .paths import PATHS, choose_path
 from .tables import (
                      ErrorTables,
                      ExpertDetail,
@@ -12,10 +13,12 @@ from .tables import (
 
 __all__ = [
                      "METRICS",
+                     "PATHS",
                      "ErrorTables",
                      "ExpertDetail",
                      "block_scales",
                      "candidate_errors",
+                     "choose_path",
                      "error_metrics",
                      "expert_detail",
                      "grid_mismatch",
