@@ -370,6 +370,30 @@ def main(argv: list[str] | None = None) -> int:
     proj_bf16 = shape.inter * shape.hidden * 2
     rows, notes = [], []
     dev_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    def emit(final: bool) -> None:
+        """The table so far (after every format, so a time limit still leaves a table)."""
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+        lines = [(f"machine: {platform.machine()}, {os.cpu_count()} cores, {gpu}, analysis on "
+                  f"{dev_name}; load avg {load0[0]:.1f} before / {os.getloadavg()[0]:.1f} after; "
+                  f"torch {torch.__version__}, python {platform.python_version()}"),
+                 (f"shape: hidden {shape.hidden}, moe FFN {shape.inter}, {shape.experts} "
+                  f"experts/layer; command: {' '.join(sys.argv)}"), *notes,
+                 ("| format | question | path | wall s | cpu s | GB/s | vs read | host mem MB "
+                  "(x proj) | GPU peak MB | vs reference |"), "|" + "---|" * 10]
+        for fmt, q, path, secs, cpu, size, read_s, grow, cuda, cmp in rows:
+            mem = "-" if grow is None else f"{grow / 1e6:.0f} ({grow / proj_bf16:.1f})"
+            lines.append(f"| {fmt} | {q} | {path} | {secs:.1f} | "
+                         f"{'-' if cpu is None else f'{cpu:.1f}'} | {size / secs / GB:.2f} | "
+                         f"{read_s / secs:.2f} | {mem} | "
+                         f"{'-' if not cuda else f'{cuda / 1e6:.0f}'} | {cmp} |")
+        text = "\n".join(lines)
+        if final:
+            print(text)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "bench_analysis.md").write_text(text + "\n")
+
     for fmt in fmts:
         runs = []
         if any(q != "reference_errors" for q in qs):
@@ -410,25 +434,8 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(ck_path, ignore_errors=True)
                 if ref_path:
                     shutil.rmtree(ref_path, ignore_errors=True)
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    lines = [(f"machine: {platform.machine()}, {os.cpu_count()} cores, {gpu}, analysis on "
-              f"{dev_name}; load avg {load0[0]:.1f} before / {os.getloadavg()[0]:.1f} after; "
-              f"torch {torch.__version__}, python {platform.python_version()}"),
-             (f"shape: hidden {shape.hidden}, moe FFN {shape.inter}, {shape.experts} "
-              f"experts/layer; command: {' '.join(sys.argv)}"), *notes,
-             ("| format | question | path | wall s | cpu s | GB/s | vs read | host mem MB "
-              "(x proj) | GPU peak MB | vs reference |"), "|" + "---|" * 10]
-    for fmt, q, path, secs, cpu, size, read_s, grow, cuda, cmp in rows:
-        mem = "-" if grow is None else f"{grow / 1e6:.0f} ({grow / proj_bf16:.1f})"
-        lines.append(f"| {fmt} | {q} | {path} | {secs:.1f} | "
-                     f"{'-' if cpu is None else f'{cpu:.1f}'} | {size / secs / GB:.2f} | "
-                     f"{read_s / secs:.2f} | {mem} | "
-                     f"{'-' if not cuda else f'{cuda / 1e6:.0f}'} | {cmp} |")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_analysis.md").write_text(text + "\n")
+        emit(final=False)
+    emit(final=True)
     return 0
 
 

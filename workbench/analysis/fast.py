@@ -101,6 +101,8 @@ def _stage(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
     with torch.cuda.stream(stream):
         out = pinned.to(dev, non_blocking=True)
     stream.synchronize()
+    # allocated on the reader's stream, used on the compute stream: tell the allocator
+    out.record_stream(torch.cuda.default_stream(dev))
     return out
 
 
@@ -115,6 +117,8 @@ def _stack_stage(parts: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
     with torch.cuda.stream(stream):
         out = pinned.to(dev, non_blocking=True)
     stream.synchronize()
+    # allocated on the reader's stream, used on the compute stream: tell the allocator
+    out.record_stream(torch.cuda.default_stream(dev))
     return out
 
 
