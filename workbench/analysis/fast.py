@@ -30,7 +30,8 @@ from workbench.formats import QuantizedTensor, Recipe, dequantize
 from . import batched
 from .metrics import e8m0_exponents
 
-CPU_BATCH_ELEMENTS = 1 << 23  # ~8M elements (16 MB BF16): a few experts; fp32 temporaries ~6x
+CPU_BATCH_ELEMENTS = 1 << 21  # 2M elements (4 MB BF16, ~1.3 Qwen3 experts): the codecs keep
+# ~10 fp32-sized temporaries alive, so this bounds memory; on CPU larger stacks buy nothing
 CUDA_BATCH_ELEMENTS = 1 << 28  # 256M elements: a whole layer's experts per launch on a GPU
 
 
