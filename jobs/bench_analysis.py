@@ -1,42 +1,53 @@
-"""Analysis benchmark: per-expert error of a multi-GB packed checkpoint, against the I/O ceiling.
+"""Analysis benchmark: the three table questions on MXFP4, NVFP4 and MXFP8 checkpoints, each
+against the plain sequential read of the same files, measured in the same run.
 
-Uses the checkpoint of ``jobs/bench_checkpoint.py`` (compressed-tensors MXFP4, Qwen3-30B-A3B
-expert shapes; built once) and reports in one table, each pass with a cold page cache:
+For each format a packed checkpoint of Qwen3-30B-A3B expert shapes (hidden 2048, moe FFN 768,
+128 experts per layer; ``--size-gb 15`` is the real model: 48 layers for MXFP4) is written with
+random codes and realistic scale bytes (large random pools sliced per tensor, so 15 GB take
+seconds to write), in the layout each format ships in: compressed-tensors MXFP4 and NVFP4
+(``weight_packed``/``weight_scale``/``weight_global_scale``), ModelOpt MXFP8 (float8 ``weight`` +
+E8M0 ``weight_scale``). Question 2 needs a BF16 reference, 2-4x the packed size, so it runs on a
+smaller pair (the first layers, packed + BF16, ``--ref-gb`` of BF16). Each pass runs with a cold
+page cache (pages evicted):
 
-- plain sequential read of the shard files (the I/O ceiling);
-- ``workbench.analysis.stored_vs_recipes(ck, ["mxfp4:rceil"])`` (question 3: every stored expert
-  re-quantized, every metric and the scale histogram), in a fresh process: first the call a new
-  notebook kernel makes (imports of torch.compile's machinery and the compile, or its load from
-  Inductor's disk cache, included), then a second call in the same process (compiled); with
-  ``WORKBENCH_ANALYSIS_FUSED=1``, since --small is below the size where "auto" compiles;
-- the same call on the reference path (``WORKBENCH_ANALYSIS_FUSED=0``), in a fresh process;
-- the naive path: ``safetensors.load_file`` of every shard (the whole checkpoint in memory),
-  decode all experts at once, then the same metrics. (transformers is not used for it: the
-  synthetic checkpoint holds experts only, so there is no model to instantiate.)
-The fused and reference tables are compared (counts equal, float metrics' largest relative
-difference). Throughput is GB/s of packed bytes on disk; memory is peak anonymous RSS growth
-during the pass, also as a multiple of one expert projection's BF16 size.
+- ``read``: plain sequential read of the shard files (16 MiB ``readinto``), the I/O ceiling;
+- per question, the default path (``path="auto"``: batched on CUDA, batched or fused on CPU) in
+  a fresh process: the first call (imports, any compile included) and a second call;
+- with ``--reference``, the reference path once, and the fast table compared with it (counts and
+  histograms equal? largest relative difference of the float-sum metrics).
 
-    python jobs/bench_analysis.py               # 2 GB checkpoint in /tmp/wb-bench-ckpt
-    python jobs/bench_analysis.py --small       # seconds
-    python jobs/bench_analysis.py --cold-compile  # empty Inductor cache: first-ever compile
+Throughput is GB/s of the files the question reads; ``vs read`` is the read time over the pass
+time; memory is peak anonymous RSS growth during the pass (and peak CUDA memory), also as a
+multiple of one expert projection's BF16 size.
+
+    python jobs/bench_analysis.py --size-gb 0.1 --reference     # CPU, a minute or two
+    python jobs/bench_analysis.py --size-gb 15 --cleanup         # GPU host (see docs/analysis.md)
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import math
 import multiprocessing as mp
 import os
 import platform
+import shutil
 import sys
 import threading
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 HERE = Path(__file__).resolve().parent
+GB = 1e9
+PROJS = ("gate", "up", "down")
+FORMATS = ("mxfp4", "nvfp4", "mxfp8_e4m3")
+QUESTIONS = ("stored_vs_recipes", "candidate_errors", "reference_errors")
+RECIPES = {"mxfp4": ["mxfp4:rceil"], "nvfp4": ["nvfp4:torchao"], "mxfp8_e4m3": ["mxfp8_e4m3:rceil"]}
 
 
 def _bench_checkpoint():
@@ -45,6 +56,186 @@ def _bench_checkpoint():
     sys.modules["bench_checkpoint"] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int = 2048
+    inter: int = 768
+    experts: int = 128
+    shard_gb: float = 1.0
+
+
+def _bytes_per_expert(fmt: str, s: Shape) -> int:
+    n = 3 * s.hidden * s.inter
+    return {"mxfp4": n // 2 + n // 32, "nvfp4": n // 2 + n // 16 + 12,
+            "mxfp8_e4m3": n + n // 32, "bf16": 2 * n}[fmt]
+
+
+def layers_for(fmt: str, size_gb: float, s: Shape) -> int:
+    return max(1, round(size_gb * GB / (s.experts * _bytes_per_expert(fmt, s))))
+
+
+class _Pool:
+    """Random bytes to slice tensors from: one large draw, a random offset per tensor (copied,
+    since safetensors refuses tensors that share memory)."""
+
+    def __init__(self, n: int, gen: torch.Generator, make):
+        self.buf, self.gen = make(n, gen), gen
+
+    def take(self, shape) -> torch.Tensor:
+        """A view (no copy): ``_write_safetensors`` streams views straight to the file."""
+        n = math.prod(shape)
+        off = int(torch.randint(0, self.buf.numel() - n + 1, (1,), generator=self.gen))
+        return self.buf[off:off + n].reshape(shape)
+
+
+_ST_DTYPE = {torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3", torch.bfloat16: "BF16",
+             torch.float32: "F32"}
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """The safetensors format written directly (8-byte header length, JSON header, raw bytes),
+    so tensors may be views of one random pool (``save_file`` refuses shared storage and would
+    copy); atomic via a temporary name."""
+    header, off = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPE[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little"))
+        fh.write(raw)
+        for t in tensors.values():
+            fh.write(memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()))
+    os.replace(tmp, path)
+
+
+def _pools(fmt: str, gen: torch.Generator, n: int) -> dict:
+    u8 = {"dtype": torch.uint8}
+    pools = {}
+    if fmt in ("mxfp4", "nvfp4"):
+        pools["data"] = _Pool(n, gen, lambda k, g: torch.randint(0, 256, (k,), generator=g, **u8))
+    if fmt == "mxfp8_e4m3":
+        def fp8(k, g):  # every finite E4M3 byte (0x7F / 0xFF are NaN)
+            b = torch.randint(0, 256, (k,), generator=g, **u8)
+            return torch.where((b & 0x7F) == 0x7F, b - 1, b).view(torch.float8_e4m3fn)
+        pools["data"] = _Pool(n, gen, fp8)
+    if fmt in ("mxfp4", "mxfp8_e4m3"):  # E8M0 bytes 2^-9 .. 2^-1, where real weights land
+        pools["scale"] = _Pool(n // 16, gen, lambda k, g: torch.randint(118, 127, (k,),
+                                                                         generator=g, **u8))
+    if fmt == "nvfp4":  # positive E4M3 scales 2^-3 .. 2^3
+        pools["scale"] = _Pool(n // 8, gen, lambda k, g: torch.randint(
+            0x28, 0x48, (k,), generator=g, **u8).view(torch.float8_e4m3fn))
+    if fmt == "bf16":
+        pools["data"] = _Pool(n, gen, lambda k, g: (torch.randn(k, generator=g) * 0.02).bfloat16())
+    return pools
+
+
+def _tensors(fmt: str, pools: dict, base: str, out: int, inp: int, gen) -> dict:
+    if fmt == "mxfp4":
+        return {f"{base}.weight_packed": pools["data"].take((out, inp // 2)),
+                f"{base}.weight_scale": pools["scale"].take((out, inp // 32))}
+    if fmt == "nvfp4":
+        # compressed-tensors stores 2688/amax; amax ~ 0.1
+        return {f"{base}.weight_packed": pools["data"].take((out, inp // 2)),
+                f"{base}.weight_scale": pools["scale"].take((out, inp // 16)),
+                f"{base}.weight_global_scale": 2688 / (0.05 + 0.1 * torch.rand(1, generator=gen))}
+    if fmt == "mxfp8_e4m3":
+        return {f"{base}.weight": pools["data"].take((out, inp)),
+                f"{base}.weight_scale": pools["scale"].take((out, inp // 32))}
+    return {f"{base}.weight": pools["data"].take((out, inp))}
+
+
+def _quant_config(fmt: str) -> tuple[dict | None, dict | None]:
+    """(config.json quantization_config, hf_quant_config.json) of the format's layout."""
+    ignore = ["lm_head", "re:.*mlp\\.gate$"]
+    if fmt in ("mxfp4", "nvfp4"):
+        ct = "mxfp4-pack-quantized" if fmt == "mxfp4" else "nvfp4-pack-quantized"
+        w = {"num_bits": 4, "type": "float", "symmetric": True, "dynamic": False}
+        w.update({"strategy": "group", "group_size": 32, "scale_dtype": "torch.uint8"}
+                 if fmt == "mxfp4" else {"strategy": "tensor_group", "group_size": 16,
+                                         "scale_dtype": "torch.float8_e4m3fn"})
+        return {"quant_method": "compressed-tensors", "format": ct,
+                "quantization_status": "compressed", "ignore": ignore,
+                "config_groups": {"group_0": {"format": ct, "targets": ["Linear"],
+                                              "input_activations": None,
+                                              "output_activations": None, "weights": w}}}, None
+    if fmt == "mxfp8_e4m3":
+        excl = ["lm_head", "model.layers.*.mlp.gate"]
+        return ({"quant_method": "modelopt", "quant_algo": "MXFP8", "ignore": excl},
+                {"producer": {"name": "modelopt", "version": "0.47.0"},
+                 "quantization": {"quant_algo": "MXFP8", "kv_cache_quant_algo": None,
+                                  "group_size": 32, "exclude_modules": excl}})
+    return None, None
+
+
+def build(fmt: str, path: Path, layers: int, s: Shape, seed: int = 0) -> Path:
+    """Write (once; reused when its marker matches) a ``layers``-layer checkpoint of ``fmt``."""
+    from tqdm import tqdm
+
+    marker = {"fmt": fmt, "layers": layers, **asdict(s), "seed": seed, "v": 1}
+    if (path / "bench.json").exists() and json.loads((path / "bench.json").read_text()) == marker:
+        return path
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(seed)
+    pools = _pools(fmt, gen, 1 << 26)
+    shard, size, files, wmap = {}, 0, [], {}
+
+    def flush():
+        nonlocal shard, size
+        name = f"model-{len(files) + 1:05d}.safetensors"
+        _write_safetensors(path / name, shard)
+        files.append(name)
+        wmap.update(dict.fromkeys(shard, name))
+        shard, size = {}, 0
+
+    shapes = {"gate": (s.inter, s.hidden), "up": (s.inter, s.hidden), "down": (s.hidden, s.inter)}
+    with tqdm(total=layers * s.experts, desc=f"writing {fmt} ({layers} layers)", unit="expert") as bar:
+        for L in range(layers):
+            shard[f"model.layers.{L}.mlp.gate.weight"] = torch.zeros(s.experts, s.hidden,
+                                                                     dtype=torch.bfloat16)
+            for e in range(s.experts):
+                for p in PROJS:
+                    ts = _tensors(fmt, pools, f"model.layers.{L}.mlp.experts.{e}.{p}_proj",
+                                  *shapes[p], gen)
+                    shard.update(ts)
+                    size += sum(t.numel() * t.element_size() for t in ts.values())
+                if size >= s.shard_gb * GB:
+                    flush()
+                bar.update()
+    if shard:
+        flush()
+    index = {"metadata": {"total_size": sum((path / f).stat().st_size for f in files)},
+             "weight_map": dict(sorted(wmap.items()))}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    qc, hfq = _quant_config(fmt)
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+           "hidden_size": s.hidden, "moe_intermediate_size": s.inter,
+           "num_hidden_layers": layers, "num_experts": s.experts, "vocab_size": 256}
+    if qc is not None:
+        cfg["quantization_config"] = qc
+    (path / "config.json").write_text(json.dumps(cfg))
+    if hfq is not None:
+        (path / "hf_quant_config.json").write_text(json.dumps(hfq))
+    (path / "bench.json").write_text(json.dumps(marker))
+    return path
+
+
+def shard_files(*paths: Path) -> list[Path]:
+    return [f for p in paths for f in sorted(p.glob("*.safetensors"))]
+
+
+# -- measuring --------------------------------------------------------------------------------
 
 
 class PeakAnon:
@@ -77,157 +268,174 @@ class PeakAnon:
         self.peak = max(self.peak, self._read())
 
 
-def _workbench_pass(path: str, conn, env: dict) -> None:
-    """Two calls in one fresh process, each with a cold page cache: what a new notebook kernel
-    pays on its first call (imports, compile) and what every later call costs."""
-    os.environ.update(env)
+def _call(question: str, ck, ref, fmt: str, path: str, device: str | None):
+    from workbench import analysis
+
+    kw = {"progress": False, "path": path, "device": device}
+    if question == "stored_vs_recipes":
+        return analysis.stored_vs_recipes(ck, RECIPES[fmt], **kw)
+    if question == "candidate_errors":
+        return analysis.candidate_errors(ck, RECIPES[fmt], **kw)
+    return analysis.reference_errors(ck, ref, kinds=("routed",), **kw)
+
+
+def _child(conn, question: str, fmt: str, ck_path: str, ref_path: str | None, path: str,
+           calls: int, device: str | None) -> None:
+    """``calls`` calls of one question in this fresh process, each with a cold page cache."""
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
     import logging
 
-    from workbench.analysis import fused, stored_vs_recipes
     from workbench.checkpoint import open_checkpoint
 
     logging.basicConfig(level=logging.INFO, format="  [%(name)s] %(message)s")
     bc = _bench_checkpoint()
-    files = sorted(Path(path).glob("*.safetensors"))
+    files = shard_files(Path(ck_path), *([Path(ref_path)] if ref_path else []))
+    cuda = torch.cuda.is_available() and device != "cpu"
     out = {"passes": []}
-    for _ in range(1 if env.get("WORKBENCH_ANALYSIS_FUSED") == "0" else 2):
+    for _ in range(calls):
         bc.evict(files)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         with PeakAnon() as mem:
             t0, c0 = time.perf_counter(), time.process_time()
-            ck = open_checkpoint(path)
-            t = stored_vs_recipes(ck, ["mxfp4:rceil"], progress=True)
+            ck = open_checkpoint(ck_path)
+            ref = open_checkpoint(ref_path) if ref_path else None
+            t = _call(question, ck, ref, fmt, path, device)
+            if cuda:
+                torch.cuda.synchronize()
             secs, cpu = time.perf_counter() - t0, time.process_time() - c0
-        out["passes"].append({"seconds": secs, "cpu_s": cpu, "growth": mem.peak - mem.base})
-    rec = ck.experts()[0]
-    out.update(rows=len(t.experts), proj_bf16=rec.shape[0] * rec.shape[1] * 2,
-               compile_s=dict(fused.COMPILE_SECONDS), experts=t.experts, scales=t.scales)
+        out["passes"].append({"seconds": secs, "cpu_s": cpu, "growth": mem.peak - mem.base,
+                              "cuda_peak": torch.cuda.max_memory_allocated() if cuda else 0})
+    out.update(rows=len(t.experts), experts=t.experts, scales=t.scales)
     conn.send(out)
 
 
-def _compare(a, b) -> str:
-    """How the fused table ``b`` differs from the reference table ``a``."""
+def _in_child(*args) -> dict:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_child, args=(child, *args))
+    p.start()
+    out = parent.recv()
+    p.join()
+    if p.exitcode:
+        raise RuntimeError(f"benchmark child {args[:2]} failed with exit code {p.exitcode}")
+    return out
 
+
+def compare(a, b) -> str:
+    """How table ``b`` differs from the reference table ``a``: 'equal' (counts, maxima,
+    histograms) plus the largest relative difference of the float-sum metrics."""
+    if list(a.columns) != list(b.columns) or len(a) != len(b):
+        return "DIFFER (shape)"
     exact = [c for c in a.columns if c not in ("rel_err", "sqnr_db", "cosine")]
     same = all(a[c].fillna(-1).tolist() == b[c].fillna(-1).tolist() for c in exact)
     worst = 0.0
     for c in ("rel_err", "sqnr_db", "cosine"):
         for x, y in zip(a[c], b[c]):
-            if x != y:  # equal infinities (lossless rows) compare equal here
+            if x != y:
                 worst = max(worst, abs(x - y) / max(abs(x), 1e-30))
-    return (f"fused vs reference table: counts, maxima and histograms "
-            f"{'equal' if same else 'DIFFER'}; rel_err/sqnr_db/cosine differ by at most "
-            f"{worst:.1e} (relative)")
-
-
-def _naive_pass(path: str, conn) -> None:
-    """Everything in memory first, then the same metrics."""
-    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
-    from safetensors.torch import load_file
-
-    from workbench.analysis import error_metrics
-    from workbench.formats import QuantizedTensor, dequantize, quantize
-
-    with PeakAnon() as mem:
-        t0, c0 = time.perf_counter(), time.process_time()
-        sd = {}
-        for f in sorted(Path(path).glob("*.safetensors")):
-            sd.update(load_file(str(f)))
-        names = sorted(n[: -len("_packed")] for n in sd if n.endswith("weight_packed"))
-        decoded = {}
-        for n in names:
-            d, s = sd[n + "_packed"], sd[n + "_scale"]
-            q = QuantizedTensor("mxfp4", "compressed-tensors", d, s, None, (d.shape[0], d.shape[1] * 2))
-            decoded[n] = dequantize(q, torch.bfloat16)
-        rows = []
-        for n, w in decoded.items():
-            q = quantize(w, "mxfp4:rceil")
-            rows.append(error_metrics(w, dequantize(q, torch.float32), q))
-        secs, cpu = time.perf_counter() - t0, time.process_time() - c0
-    conn.send({"seconds": secs, "cpu_s": cpu, "rows": len(rows), "growth": mem.peak - mem.base})
-
-
-def _in_child(target, path: str, *args) -> dict:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=target, args=(path, child, *args))
-    p.start()
-    out = parent.recv()
-    p.join()
-    if p.exitcode:
-        raise RuntimeError(f"{target.__name__} failed with exit code {p.exitcode}")
-    return out
+    return f"{'equal' if same else 'DIFFER'} (sums {worst:.0e})"
 
 
 def main(argv: list[str] | None = None) -> int:
-    bc = _bench_checkpoint()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dir", type=Path, default=Path("/tmp/wb-bench-ckpt"))
-    ap.add_argument("--size-gb", type=float, default=2.0)
-    ap.add_argument("--small", action="store_true")
-    ap.add_argument("--skip-naive", action="store_true", help="the naive pass holds everything")
-    ap.add_argument("--skip-reference", action="store_true", help="the reference pass is slow")
-    ap.add_argument("--cold-compile", action="store_true",
-                    help="compile into an empty Inductor cache (what a first-ever run pays)")
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/wb-bench-analysis"))
+    ap.add_argument("--size-gb", type=float, default=1.0, help="packed GB per format")
+    ap.add_argument("--ref-gb", type=float, default=None,
+                    help="BF16 GB of question 2's reference (default: min(size, 4))")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--questions", default=",".join(QUESTIONS))
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    ap.add_argument("--reference", action="store_true", help="also time the reference path "
+                    "and compare tables (slow: ~30 ns per element on CPU)")
+    ap.add_argument("--small-shape", action="store_true",
+                    help="hidden 512, FFN 256, 16 experts (quick CPU runs)")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="experts per layer (default 128; fewer for quick CPU runs)")
+    ap.add_argument("--cleanup", action="store_true", help="delete each format's files after it")
+    ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT")
+                    else None, help="also write the table here (default: $OUT when set)")
     args = ap.parse_args(argv)
-    if args.small:
-        cfg = bc.BenchConfig(args.dir / "small", size_gb=0.06, hidden=1024, inter=512, experts=16,
-                             shard_gb=0.02)
-    else:
-        cfg = bc.BenchConfig(args.dir / f"{args.size_gb:g}gb", size_gb=args.size_gb)
-    path = bc.build_checkpoint(cfg)
-    files = sorted(path.glob("*.safetensors"))
-    size = sum(f.stat().st_size for f in files)
+    shape = Shape(512, 256, 16, 0.25) if args.small_shape else Shape()
+    if args.experts:
+        shape = Shape(shape.hidden, shape.inter, args.experts, shape.shard_gb)
+    fmts = [f for f in args.formats.split(",") if f]
+    qs = [q for q in args.questions.split(",") if q]
+    bad = [f for f in fmts if f not in FORMATS] + [q for q in qs if q not in QUESTIONS]
+    if bad:
+        ap.error(f"unknown formats/questions {bad}; choose from {FORMATS} and {QUESTIONS}")
+    bc = _bench_checkpoint()
     load0 = os.getloadavg()
+    ref_gb = args.ref_gb if args.ref_gb is not None else min(args.size_gb, 4.0)
+    proj_bf16 = shape.inter * shape.hidden * 2
+    rows, notes = [], []
+    dev_name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
-    method = bc.evict(files)
-    _, read_s = bc.sequential_read(files, "read cold")
-    rows = [("sequential read (I/O ceiling)", read_s, None, None, None)]
-    env = {"WORKBENCH_ANALYSIS_FUSED": "1"}  # also below fused.MIN_ELEMENTS (--small)
-    if args.cold_compile:
-        import tempfile
+    def emit(final: bool) -> None:
+        """The table so far (after every format, so a time limit still leaves a table)."""
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+        lines = [(f"machine: {platform.machine()}, {os.cpu_count()} cores, {gpu}, analysis on "
+                  f"{dev_name}; load avg {load0[0]:.1f} before / {os.getloadavg()[0]:.1f} after; "
+                  f"torch {torch.__version__}, python {platform.python_version()}"),
+                 (f"shape: hidden {shape.hidden}, moe FFN {shape.inter}, {shape.experts} "
+                  f"experts/layer; command: {' '.join(sys.argv)}"), *notes,
+                 ("| format | question | path | wall s | cpu s | GB/s | vs read | host mem MB "
+                  "(x proj) | GPU peak MB | vs reference |"), "|" + "---|" * 10]
+        for fmt, q, path, secs, cpu, size, read_s, grow, cuda, cmp in rows:
+            mem = "-" if grow is None else f"{grow / 1e6:.0f} ({grow / proj_bf16:.1f})"
+            lines.append(f"| {fmt} | {q} | {path} | {secs:.1f} | "
+                         f"{'-' if cpu is None else f'{cpu:.1f}'} | {size / secs / GB:.2f} | "
+                         f"{read_s / secs:.2f} | {mem} | "
+                         f"{'-' if not cuda else f'{cuda / 1e6:.0f}'} | {cmp} |")
+        text = "\n".join(lines)
+        if final:
+            print(text)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "bench_analysis.md").write_text(text + "\n")
 
-        with tempfile.TemporaryDirectory(prefix="wb-inductor-") as cache:
-            wb = _in_child(_workbench_pass, str(path), {**env, "TORCHINDUCTOR_CACHE_DIR": cache})
-    else:
-        wb = _in_child(_workbench_pass, str(path), env)
-    first, second = wb["passes"]
-    compiled = sum(wb["compile_s"].values())
-    rows.append((f"stored_vs_recipes, 1st call in process [{compiled:.1f} s compile]",
-                 first["seconds"], first["cpu_s"], first["growth"], wb["rows"]))
-    rows.append(("stored_vs_recipes, 2nd call (compiled)", second["seconds"], second["cpu_s"],
-                 second["growth"], wb["rows"]))
-    if not args.skip_reference:
-        ref = _in_child(_workbench_pass, str(path), {"WORKBENCH_ANALYSIS_FUSED": "0"})
-        r = ref["passes"][0]
-        rows.append(("stored_vs_recipes, reference path", r["seconds"], r["cpu_s"], r["growth"],
-                     ref["rows"]))
-    if not args.skip_naive:
-        bc.evict(files)
-        nv = _in_child(_naive_pass, str(path))
-        rows.append(("naive: load all, decode all, compute", nv["seconds"], nv["cpu_s"],
-                     nv["growth"], nv["rows"]))
-    print(f"checkpoint: {path} ({len(files)} shards, {size / 1e9:.2f} GB), "
-          f"{cfg.layers} layers x {cfg.experts} experts x 3 projections, MXFP4 compressed-tensors")
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, load avg {load0[0]:.1f} before"
-          f" / {os.getloadavg()[0]:.1f} after, torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), python {platform.python_version()}; cache "
-          f"eviction: {method}; Inductor cache: {'empty (--cold-compile)' if args.cold_compile else 'as left by earlier runs'}")
-    print(f"{'pass':<52}{'wall s':>8}{'cpu s':>8}{'GB/s':>7}{'vs read':>8}{'mem growth MB':>15}"
-          f"{'x proj':>8}{'rows':>7}")
-    for what, secs, cpu, grow, nrows in rows:
-        cpu_s = f"{cpu:.1f}" if cpu is not None else "-"
-        g = f"{grow / 1e6:.0f}" if grow is not None else "-"
-        xp = f"{grow / wb['proj_bf16']:.1f}" if grow is not None else "-"
-        print(f"{what:<52}{secs:>8.1f}{cpu_s:>8}{size / secs / 1e9:>7.2f}"
-              f"{read_s / secs:>8.2f}{g:>15}{xp:>8}{nrows if nrows is not None else '-':>7}")
-    if not args.skip_reference:
-        print(_compare(ref["experts"], wb["experts"]))
-        print(f"scale histograms {'equal' if ref['scales'].equals(wb['scales']) else 'DIFFER'}")
-    for label, p in (("compiled (2nd call)", second), ("1st call in a fresh process", first)):
-        ok = read_s / p["seconds"] >= 0.5
-        print(f"goal: analysis >= 0.5x the plain read rate, {label}: "
-              f"{'met' if ok else 'NOT met'} ({read_s / p['seconds']:.2f}x)")
+    for fmt in fmts:
+        runs = []
+        if any(q != "reference_errors" for q in qs):
+            L = layers_for(fmt, args.size_gb, shape)
+            runs.append(("main", build(fmt, args.dir / f"{fmt}-{L}L", L, shape), None,
+                         [q for q in qs if q != "reference_errors"]))
+        if "reference_errors" in qs:
+            L2 = layers_for("bf16", ref_gb, shape)
+            runs.append(("ref", build(fmt, args.dir / f"{fmt}-{L2}L", L2, shape),
+                         build("bf16", args.dir / f"bf16-{L2}L", L2, shape),
+                         ["reference_errors"]))
+        for _, ck_path, ref_path, questions in runs:
+            files = shard_files(ck_path, *([ref_path] if ref_path else []))
+            size = sum(f.stat().st_size for f in files)
+            method = bc.evict(files)
+            _, read_s = bc.sequential_read(files, f"read {fmt}")
+            rows.append((fmt, "plain sequential read", "", read_s, None, size, read_s, None, None,
+                         ""))
+            for q in questions:
+                fast = _in_child(q, fmt, str(ck_path), str(ref_path) if ref_path else None,
+                                 "auto", 2, args.device)
+                cmp = ""
+                if args.reference:
+                    ref = _in_child(q, fmt, str(ck_path), str(ref_path) if ref_path else None,
+                                    "reference", 1, args.device)
+                    cmp = compare(ref["experts"], fast["experts"])
+                    cmp += "" if ref["scales"].equals(fast["scales"]) else " HIST DIFFER"
+                    r = ref["passes"][0]
+                    rows.append((fmt, q, "reference", r["seconds"], r["cpu_s"], size, read_s,
+                                 r["growth"], r["cuda_peak"], ""))
+                for i, p in enumerate(fast["passes"]):
+                    rows.append((fmt, q, f"auto, call {i + 1}", p["seconds"], p["cpu_s"], size,
+                                 read_s, p["growth"], p["cuda_peak"], cmp if i else ""))
+            notes.append(f"{fmt}: {ck_path.name}{' + ' + ref_path.name if ref_path else ''}: "
+                         f"{len(files)} shards, {size / GB:.2f} GB; eviction {method}")
+        if args.cleanup:
+            for _, ck_path, ref_path, _ in runs:
+                shutil.rmtree(ck_path, ignore_errors=True)
+                if ref_path:
+                    shutil.rmtree(ref_path, ignore_errors=True)
+        emit(final=False)
+    emit(final=True)
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from .compare import CompareError, CompareResult, compare, reference_detail
 from .metrics import METRICS, block_scales, error_metrics, grid_mismatch, scale_exponents
+from .paths import PATHS, choose_path
 from .tables import (
                      ErrorTables,
                      ExpertDetail,
@@ -15,11 +16,13 @@ __all__ = [
                      "METRICS",
                      "CompareError",
                      "CompareResult",
+                     "PATHS",
                      "ErrorTables",
                      "ExpertDetail",
                      "block_scales",
                      "candidate_errors",
                      "compare",
+                     "choose_path",
                      "error_metrics",
                      "expert_detail",
                      "grid_mismatch",

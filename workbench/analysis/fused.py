@@ -22,9 +22,10 @@ The four float sums differ in summation order only: the reference takes fp32 BLA
 accumulators; on the benchmark's 1.5M-element experts the sum of squares is 5e-5 off the float64
 value and rel_err 1e-5), this path sums fp32 per 4096 elements and then in float64 (7e-8).
 
-Anything else takes the reference, with the reason logged once: other formats, tie rules without a
-closed form here, bytes outside ``SAFE_BYTES``, padded K, CUDA tensors (the reference is fast
-there), a failed compile (no C++ compiler...), or ``WORKBENCH_ANALYSIS_FUSED=0``. Compiling costs
+Anything else takes the batched path (``batched.py``), with the reason logged once: other
+formats, tie rules without a closed form here, bytes outside ``SAFE_BYTES``, padded K, CUDA
+tensors, or a failed compile (no C++ compiler...). Whether this pass is tried at all is
+``paths.choose_path``'s decision ("fused", the CPU default for large jobs). Compiling costs
 seconds once per process and tie rule (logged); Inductor caches the C++ on disk across runs.
 """
 
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -48,22 +48,19 @@ CHUNK = 256  # blocks per partial sum: 4096 elements per nibble half, fp32 count
 BATCH_BLOCKS = 1 << 18  # blocks per compiled call (~8M elements): amortises call overhead
 # A process's first fused call pays ~3 s of torch.compile imports and set-up plus the compile:
 # ~4 s more with Inductor's disk cache warm, ~20 s into an empty cache (measured on 2 cores by
-# jobs/bench_analysis.py). The reference costs ~30 ns per element there, so below this size
-# (~8 s of reference work) it is left to the reference. WORKBENCH_ANALYSIS_FUSED=1 takes the
-# fused path at any size, =0 never.
-MIN_ELEMENTS = 1 << 28
+# jobs/bench_analysis.py); paths.COMPILE_ELEMENTS is where "auto" starts to take it.
 TIES = ("even", "away", "down")
 _MAGS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _COMPILED: dict[str, object] = {}
 COMPILE_SECONDS: dict[str, float] = {}  # first call (trace + compile, or disk-cache load) per tie rule
-_BROKEN: list[str] = []  # why compiling failed in this process; from then on: the reference
+_BROKEN: list[str] = []  # why compiling failed in this process; from then on: batched
 _LOGGED: set[str] = set()
 
 
 def log_choice(recipe: str, why: str | None) -> None:
-    """Say once per (recipe, path, reason) which path the analysis takes, as qat/ste.py does."""
+    """Say once per (recipe, path, reason) whether the compiled pass serves a recipe."""
     text = (f"stored grid vs {recipe}: fused CPU path (torch.compile)" if why is None else
-            f"stored grid vs {recipe}: reference path ({why})")
+            f"stored grid vs {recipe}: batched path ({why})")
     if text not in _LOGGED:
         _LOGGED.add(text)
         _log.info(text)
@@ -134,7 +131,7 @@ def _fused(ties: str):
 
 
 class _Unavailable(Exception):
-    """Compiling failed (no C++ compiler, an Inductor error): the caller takes the reference."""
+    """Compiling failed (no C++ compiler, an Inductor error): the caller takes the batched path."""
 
 
 def _run(ties: str, *args):
@@ -151,7 +148,7 @@ def _run(ties: str, *args):
     except Exception as e:  # whatever stops compiling, the reference path still works
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         _BROKEN.append(f"{type(e).__name__}: {first}"[:300])
-        _log.warning("fused analysis unavailable, using the reference path: %s", _BROKEN[0])
+        _log.warning("fused analysis unavailable, using the batched path: %s", _BROKEN[0])
         raise _Unavailable(_BROKEN[0]) from e
     COMPILE_SECONDS[ties] = secs = time.perf_counter() - t0
     _log.info("fused analysis pass (ties %s) ready in %.1f s (Inductor C++, cached on disk)",
@@ -159,21 +156,13 @@ def _run(ties: str, *args):
     return out
 
 
-def static_reason(recipe: Recipe, device: torch.device, elements: int) -> str | None:
-    """Why the fused path does not serve ``recipe`` on ``device`` for a job of ``elements``
-    stored MXFP4 elements (None: it does)."""
-    mode = os.environ.get("WORKBENCH_ANALYSIS_FUSED", "auto")
-    if mode not in ("0", "1", "auto"):
-        raise ValueError(f"WORKBENCH_ANALYSIS_FUSED must be 0, 1 or auto, got {mode!r}")
-    if mode == "0":
-        return "WORKBENCH_ANALYSIS_FUSED=0"
-    if mode == "auto" and elements < MIN_ELEMENTS:
-        return (f"{elements / 1e6:.0f}M elements: the reference is done before a compile would "
-                f"be; WORKBENCH_ANALYSIS_FUSED=1 forces the fused path")
+def static_reason(recipe: Recipe, device: torch.device) -> str | None:
+    """Why the fused pass does not serve ``recipe`` on ``device`` (None: it does). Whether the
+    fused path is taken at all is ``paths.choose_path``'s decision."""
     if _BROKEN:
         return f"compiling failed earlier ({_BROKEN[0]})"
     if device.type != "cpu":
-        return f"{device.type} tensors (the reference is fast there)"
+        return f"{device.type} tensors (the batched path runs there)"
     if recipe.fmt != "mxfp4":
         return f"recipe format {recipe.fmt} (fused path: mxfp4)"
     prof = PROFILES[recipe.profile]
@@ -193,7 +182,14 @@ def grid_reason(stored: QuantizedTensor) -> str | None:
         return "padded last dimension"
     if stored.data.device.type != "cpu":
         return f"{stored.data.device.type} tensors"
-    lo, hi = torch.aminmax(stored.scale.view(torch.uint8))
+    sb = stored.scale.view(torch.uint8)
+    lo, hi = torch.aminmax(sb)
+    if int(lo) < SAFE_BYTES[0] and int(hi) <= SAFE_BYTES[1]:
+        # a block whose codes are all (+-)0 decodes to zeros under any finite scale and every
+        # product above is an exact 0: only blocks with a non-zero code need a safe byte
+        # (all-zero blocks are common: libraries write byte 0 or 127 for them)
+        live = (stored.data.reshape(-1, 16) & 0x77).amax(-1) != 0
+        lo = sb.reshape(-1)[live].amin() if bool(live.any()) else hi
     if int(lo) < SAFE_BYTES[0] or int(hi) > SAFE_BYTES[1]:
         # no numbers of this weight in the text: it is logged once, not once per weight
         return f"scale bytes outside {SAFE_BYTES[0]}..{SAFE_BYTES[1]}, i.e. 2^-50..2^50"

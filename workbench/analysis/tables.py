@@ -6,9 +6,10 @@
 
 Each returns ``ErrorTables(experts, scales)``: ``experts`` has one row per layer x expert x
 projection x recipe with ``kind`` in routed/shared/dense (never mixed), ``scales`` the long
-scale-exponent histogram. Work streams one weight at a time through a small thread pool (torch
-kernels release the GIL, so I/O of the next weights overlaps the math of this one and every
-core is used); at most ``inflight`` weights are alive, which bounds memory.
+scale-exponent histogram. Each function takes ``path`` (``paths.choose_path``: "auto" by default,
+logged): this module is the reference path, which streams one weight at a time through a small
+thread pool (torch kernels release the GIL, so I/O of the next weights overlaps the math of this
+one); at most ``inflight`` weights are alive. The batched and fused paths are ``fast.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import torch
 
 from workbench.formats import Recipe, dequantize, parse_recipe, quantize
 
-from .metrics import e8m0_exponents, error_metrics, grid_mismatch, scale_exponents
+from . import fast
+from .metrics import error_metrics, grid_mismatch, scale_exponents
+from .paths import choose_path
 
 KEY_COLS = ["layer", "expert", "proj", "kind", "recipe"]
 
@@ -70,36 +73,20 @@ def _quantize_2d(w: torch.Tensor, recipe: Recipe):
 
 
 def _stream(items: list, work: Callable, desc: str, workers: int | None, inflight: int,
-            progress: bool, then: Callable | None = None, batch: Callable | None = None,
-            batch_limit: int = 0) -> Iterable:
-    """``work(item)`` for each item on a thread pool, results in order; at most ``inflight`` alive.
-
-    With ``then``, the pool only loads (``work``) and ``then([(item, loaded), ...])`` runs here on
-    batches whose ``batch(loaded)`` sizes reach ``batch_limit``, yielding one result per item:
-    compiled kernels use every core themselves and hold the GIL while they run, so the loads of
-    the next batch overlap them."""
+            progress: bool) -> Iterable:
+    """``work(item)`` for each item on a thread pool, results in order; at most ``inflight`` alive."""
     from tqdm.auto import tqdm
 
     workers = workers or max(1, min(4, os.cpu_count() or 1))
     bar = tqdm(total=len(items), desc=desc, unit="weight", disable=not progress)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        pending, ready, size = [], [], 0
+        pending = []
         for pos, item in enumerate(items):
-            pending.append((item, pool.submit(work, item)))
+            pending.append(pool.submit(work, item))
             last = pos == len(items) - 1
             while pending and (len(pending) >= inflight or last):
-                done, fut = pending.pop(0)
-                if then is None:
-                    yield fut.result()
-                    bar.update()
-                    continue
-                ready.append((done, fut.result()))
-                size += batch(ready[-1][1])
-                if size >= batch_limit or not pending:
-                    for res in then(ready):
-                        yield res
-                        bar.update()
-                    ready, size = [], 0
+                yield pending.pop(0).result()
+                bar.update()
     bar.close()
 
 
@@ -107,16 +94,12 @@ def _records(ck, kinds):
     return [r for r in ck.expert_records() if r.kind in kinds]
 
 
-def _rows(rec, recipe: str, metrics: dict, q, byte_counts=None) -> tuple[dict, list[dict]]:
+def _rows(rec, recipe: str, metrics: dict, q) -> tuple[dict, list[dict]]:
     base = {"layer": rec.layer, "expert": rec.expert, "proj": rec.proj, "kind": rec.kind,
             "recipe": recipe}
     row = {**base, **metrics, "numel": rec.shape[0] * rec.shape[1]}
     hist = []
-    if byte_counts is not None:  # the fused path counted E8M0 bytes: same rows as below
-        present = byte_counts.nonzero().flatten()
-        hist = [{**base, "exponent": int(e), "count": int(c)}
-                for e, c in zip(e8m0_exponents(present), byte_counts[present])]
-    elif q is not None:
+    if q is not None:
         exps, counts = torch.unique(scale_exponents(q).flatten(), return_counts=True)
         hist = [{**base, "exponent": int(e), "count": int(c)} for e, c in zip(exps, counts)]
     return row, hist
@@ -136,11 +119,19 @@ def _collect(results, pd) -> ErrorTables:
 
 def candidate_errors(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "shared", "dense"),
                      device: str | None = None, workers: int | None = None, inflight: int = 4,
-                     progress: bool = True) -> ErrorTables:
-    """Question 1: each weight (decoded to BF16 if stored packed) under each candidate recipe."""
+                     progress: bool = True, path: str = "auto") -> ErrorTables:
+    """Question 1: each weight (decoded to BF16 if stored packed) under each candidate recipe.
+
+    ``path`` picks reference / batched / fused ("auto": see ``paths.choose_path``); every path
+    gives the reference's table (float sums to summation order)."""
     pd = _pd()
     recs = [parse_recipe(r) for r in recipes]
     dev = _device(device)
+    items = _records(ck, kinds)
+    choice = choose_path(path, dev, _elements(items) * len(recs), "candidate recipes")
+    if choice.path != "reference":  # nothing compiled serves question 1: batched
+        return _collect(fast.candidate_results(ck, items, recs, dev, _plan(dev, workers),
+                                               progress), pd)
 
     def work(rec):
         w = ck.view_of(rec).materialize().to(dev)
@@ -152,8 +143,7 @@ def candidate_errors(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "s
             hist.extend(h)
         return rows, hist
 
-    return _collect(_stream(_records(ck, kinds), work, "candidate recipes", workers, inflight,
-                            progress), pd)
+    return _collect(_stream(items, work, "candidate recipes", workers, inflight, progress), pd)
 
 
 def _stored_label(ck, rec) -> str:
@@ -163,7 +153,7 @@ def _stored_label(ck, rec) -> str:
 
 def reference_errors(ck, reference, *, kinds=("routed", "shared", "dense"),
                      device: str | None = None, workers: int | None = None, inflight: int = 4,
-                     progress: bool = True) -> ErrorTables:
+                     progress: bool = True, path: str = "auto") -> ErrorTables:
     """Question 2: the checkpoint's stored weights against the same weights in ``reference``.
 
     Records are matched by (kind, layer, expert, proj), so the two may use different layouts.
@@ -178,6 +168,12 @@ def reference_errors(ck, reference, *, kinds=("routed", "shared", "dense"),
     if missing:
         raise ValueError(f"reference checkpoint {reference.path} lacks {len(missing)} weights of "
                          f"{ck.path}, e.g. {missing[:3]}")
+    items = _records(ck, kinds)
+    choice = choose_path(path, dev, _elements(items), "stored vs reference")
+    if choice.path != "reference":
+        return _collect(fast.reference_results(ck, reference, items,
+                                               lambda rec: _stored_label(ck, rec), dev,
+                                               _plan(dev, workers), progress), pd)
 
     def work(rec):
         ref = reference.view_of(reference.record(rec.layer, rec.expert, rec.proj, rec.kind))
@@ -191,13 +187,12 @@ def reference_errors(ck, reference, *, kinds=("routed", "shared", "dense"),
         row, h = _rows(rec, _stored_label(ck, rec), error_metrics(w, deq, q), q)
         return [row], h
 
-    return _collect(_stream(_records(ck, kinds), work, "stored vs reference", workers, inflight,
-                            progress), pd)
+    return _collect(_stream(items, work, "stored vs reference", workers, inflight, progress), pd)
 
 
 def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "shared", "dense"),
                       device: str | None = None, workers: int | None = None, inflight: int = 4,
-                      progress: bool = True) -> ErrorTables:
+                      progress: bool = True, path: str = "auto") -> ErrorTables:
     """Question 3: re-quantize each stored packed weight's decoded values with each recipe.
 
     Rows carry the error of the re-quantized weights against the decoded stored weights (zero
@@ -210,79 +205,38 @@ def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "
     recs = [parse_recipe(r) for r in recipes]
     dev = _device(device)
     items = _records(ck, kinds)
-    mx4 = sum(r.shape[0] * r.shape[1] for r in items
-              if getattr(ck.recipe_of(r.name), "fmt", None) == "mxfp4")
-    fused_ok = {r: mx4 > 0 and _fused_reason(r, dev, mx4) is None for r in recs}
+    choice = choose_path(path, dev, _elements(items) * len(recs), "stored grid vs recipes")
+    if choice.path != "reference":
+        return _collect(fast.stored_results(ck, items, recs, dev, _plan(dev, workers), progress,
+                                            use_fused=choice.path == "fused"), pd)
 
-    def load(rec):
+    def work(rec):
         stored = stored_grid(ck, rec)
-        return None if stored is None else _to(stored, dev)
-
-    def reference(rec, stored, r, w):
-        q = _quantize_2d(w, r)
-        m = error_metrics(w, dequantize(q, torch.float32), q)
-        if r.fmt == stored.fmt and q.scale.shape == stored.scale.shape:
-            m.update(grid_mismatch(stored, q))
-        return _rows(rec, str(r), m, q)
-
-    def compute(batch):
-        """Rows of a batch of loaded weights: fused where it applies, else the reference."""
-        rows, hist = [[] for _ in batch], [[] for _ in batch]
-        decoded = {}  # decoded once per weight, only when some recipe needs the reference
+        if stored is None:
+            return [], []
+        stored = _to(stored, dev)
+        w = ck.view_of(rec).materialize().to(dev)
+        rows, hist = [], []
         for r in recs:
-            fused = _fused_results([(i, s) for i, (_, s) in enumerate(batch) if s is not None],
-                                   r) if fused_ok[r] else {}
-            for i, (rec, stored) in enumerate(batch):
-                if stored is None:
-                    continue
-                if i in fused:
-                    row, h = _rows(rec, str(r), fused[i].metrics, None, fused[i].byte_counts)
-                else:
-                    if i not in decoded:
-                        decoded[i] = ck.view_of(rec).materialize().to(dev)
-                    row, h = reference(rec, stored, r, decoded[i])
-                rows[i].append(row)
-                hist[i].extend(h)
-        return list(zip(rows, hist))
+            q = _quantize_2d(w, r)
+            m = error_metrics(w, dequantize(q, torch.float32), q)
+            if r.fmt == stored.fmt and q.scale.shape == stored.scale.shape:
+                m.update(grid_mismatch(stored, q))
+            row, h = _rows(rec, str(r), m, q)
+            rows.append(row)
+            hist.extend(h)
+        return rows, hist
 
-    if any(fused_ok.values()):  # loads overlap the compiled passes, which run here
-        from .fused import BATCH_BLOCKS
-
-        results = _stream(items, load, "stored grid vs recipes", workers, inflight, progress,
-                          then=compute, batch=lambda s: 0 if s is None else s.scale.numel(),
-                          batch_limit=BATCH_BLOCKS)
-    else:
-        results = _stream(items, lambda rec: compute([(rec, load(rec))])[0],
-                          "stored grid vs recipes", workers, inflight, progress)
-    return _collect(results, pd)
+    return _collect(_stream(items, work, "stored grid vs recipes", workers, inflight, progress),
+                    pd)
 
 
-def _fused_reason(recipe: Recipe, dev: torch.device, elements: int) -> str | None:
-    from . import fused
-
-    why = fused.static_reason(recipe, dev, elements)
-    fused.log_choice(str(recipe), why)
-    return why
+def _elements(items) -> int:
+    return sum(r.shape[0] * r.shape[1] for r in items)
 
 
-def _fused_results(grids: list, recipe: Recipe) -> dict:
-    """{position: FusedResult} for the grids the fused path takes (reasons for the others are
-    logged once); one compiled call per stored profile."""
-    from . import fused
-
-    by_profile: dict[str, list] = {}
-    for i, g in grids:
-        why = fused.grid_reason(g)
-        if why is None:
-            by_profile.setdefault(g.profile, []).append((i, g))
-        else:
-            fused.log_choice(str(recipe), why)
-    out = {}
-    for members in by_profile.values():
-        res = fused.stored_vs_recipe([g for _, g in members], recipe)
-        if res is not None:
-            out.update({i: x for (i, _), x in zip(members, res)})
-    return out
+def _plan(dev, workers):
+    return fast.Plan.default(dev, workers)
 
 
 def _to(q, dev):

@@ -1,0 +1,39 @@
+"""The batched path on CUDA (pinned staging, async copies, expert stacks per launch) against the
+CPU reference, on the held-in checkpoints of every layout and all three questions.
+
+On CUDA the float sums are batched fp32 reductions (another summation order than the CPU
+reference's BLAS dots), hence the 1e-5 relative tolerance on rel_err / sqnr_db / cosine; counts,
+maxima and histograms must be equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_fast_paths import LAYOUTS, NO_GRID, RECIPES, assert_tables_equal, layout  # noqa: F401
+
+from workbench.analysis import candidate_errors, reference_errors, stored_vs_recipes
+
+pytestmark = pytest.mark.gpu
+assert LAYOUTS  # the fixture `layout` is parametrised over these
+
+
+def test_cuda_stored_vs_recipes(layout):  # noqa: F811
+    name, ck, _ = layout
+    ref = stored_vs_recipes(ck, RECIPES, progress=False, path="reference", device="cpu")
+    got = stored_vs_recipes(ck, RECIPES, progress=False, device="cuda")  # "auto" -> batched
+    assert_tables_equal(ref, got, (name, "cuda"), empty=name in NO_GRID)
+
+
+def test_cuda_candidate_errors(layout):  # noqa: F811
+    name, ck, _ = layout
+    ref = candidate_errors(ck, RECIPES, progress=False, path="reference", device="cpu")
+    got = candidate_errors(ck, RECIPES, progress=False, device="cuda")
+    assert_tables_equal(ref, got, (name, "cuda"))
+
+
+def test_cuda_reference_errors(layout):  # noqa: F811
+    name, ck, dense = layout
+    ref = reference_errors(ck, dense, kinds=("routed",), progress=False, path="reference",
+                           device="cpu")
+    got = reference_errors(ck, dense, kinds=("routed",), progress=False, device="cuda")
+    assert_tables_equal(ref, got, (name, "cuda"))

@@ -1,0 +1,170 @@
+"""The batched and fused paths of all three questions against the reference, on the held-in
+checkpoints of every layout (each written by its own library: tests/checkpoint/oracles.py) and
+the analysis test checkpoints, with recipes of every format.
+
+Counts (zero, clip and mismatch fractions, scale histograms), ``max_abs_err`` and ``amax`` must be
+equal; rel_err, sqnr_db and cosine come from float sums taken in another order (fp32 reductions
+per expert vs fp32 BLAS dots), so they may differ in the last digits (1e-5 relative allowed).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from analysis_ckpts import moe_weights, write_dense, write_mxfp4
+
+from workbench.analysis import candidate_errors, paths, reference_errors, stored_vs_recipes
+from workbench.checkpoint import open_checkpoint
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoint"))
+
+FROM_SUMS = ("rel_err", "sqnr_db", "cosine")
+RECIPES = ["mxfp4:rceil", "mxfp4:floor", "nvfp4:torchao", "nvfp4:compressed-tensors",
+           "nvfp4:te", "mxfp8_e4m3:rceil", "mxfp8_e4m3:floor"]
+
+LAYOUTS = {
+    "ct-mxfp4": ("compressed_tensors", lambda o, p: o.write_compressed_tensors(p, "MXFP4A16", seed=1)),
+    "ct-nvfp4": ("compressed_tensors", lambda o, p: o.write_compressed_tensors(p, "NVFP4A16", seed=2)),
+    "gpt-oss": ("transformers", lambda o, p: o.write_gpt_oss(p, seed=3)),
+    "modelopt-nvfp4": ("modelopt.torch.quantization.qtensor", lambda o, p: o.write_modelopt(p, "nvfp4", seed=4)),
+    "modelopt-mxfp8": ("modelopt.torch.quantization.qtensor", lambda o, p: o.write_modelopt(p, "mxfp8", seed=5)),
+    "modelopt-mxfp4": ("modelopt.torch.quantization.qtensor", lambda o, p: o.write_modelopt(p, "mxfp4", seed=6)),
+    "fp8-block": ("torch", lambda o, p: o.write_fp8_block(p, seed=7)),
+}
+
+
+NO_GRID = {"fp8-block"}  # a codec workbench.formats does not model: question 3 has no rows
+
+
+def assert_tables_equal(ref, got, what, empty=False):
+    a, b = ref.experts, got.experts
+    assert (len(a) == 0) == empty, what
+    assert list(a.columns) == list(b.columns) and len(a) == len(b), what
+    for col in a.columns:
+        if col in FROM_SUMS:
+            x, y = a[col].tolist(), b[col].tolist()
+            for i, (u, v) in enumerate(zip(x, y)):
+                if math.isinf(u) or math.isnan(u):
+                    assert u == v or (math.isnan(u) and math.isnan(v)), (what, col, i, u, v)
+                else:
+                    assert v == pytest.approx(u, rel=1e-5, abs=1e-12), (what, col, i, u, v)
+        else:
+            assert a[col].fillna(-1).tolist() == b[col].fillna(-1).tolist(), (what, col)
+    pd.testing.assert_frame_equal(ref.scales, got.scales, check_exact=True, obj=str(what))
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def layout(request, tmp_path_factory):
+    """(checkpoint, dense BF16 reference of its routed experts)."""
+    module, write = LAYOUTS[request.param]
+    pytest.importorskip(module, reason=f"{module} writes this checkpoint (pip install -e .[dev])")
+    import oracles
+
+    root = tmp_path_factory.mktemp(request.param)
+    o = write(oracles, root / "ck")
+    sd = {f"model.layers.{L}.mlp.experts.{e}.{p}_proj.weight": w.bfloat16()
+          for (L, e, p), w in o.experts.items()}
+    return request.param, open_checkpoint(o.path), open_checkpoint(write_dense(root / "ref", sd))
+
+
+def _small_ckpts(tmp_path):
+    sd = moe_weights(layers=2, experts=4, hidden=96, ffn=64)
+    mx = open_checkpoint(write_mxfp4(tmp_path / "mx", sd, "mxfp4:ceil"))
+    return mx, open_checkpoint(write_dense(tmp_path / "bf16", sd))
+
+
+def test_batched_stored_vs_recipes_every_layout(layout):
+    name, ck, _ = layout
+    ref = stored_vs_recipes(ck, RECIPES, progress=False, path="reference")
+    assert_tables_equal(ref, stored_vs_recipes(ck, RECIPES, progress=False, path="batched"),
+                        (name, "batched"), empty=name in NO_GRID)
+
+
+def test_batched_candidate_errors_every_layout(layout):
+    name, ck, _ = layout
+    ref = candidate_errors(ck, RECIPES, progress=False, path="reference")
+    assert_tables_equal(ref, candidate_errors(ck, RECIPES, progress=False, path="batched"),
+                        (name, "batched"))
+
+
+def test_batched_reference_errors_every_layout(layout):
+    name, ck, dense = layout
+    ref = reference_errors(ck, dense, kinds=("routed",), progress=False, path="reference")
+    got = reference_errors(ck, dense, kinds=("routed",), progress=False, path="batched")
+    assert_tables_equal(ref, got, (name, "batched"))
+
+
+def test_fused_path_every_layout(layout, monkeypatch):
+    """path="fused": the compiled pass where it applies (MXFP4 grids, MXFP4 recipes), batched
+    elsewhere; the table is still the reference's."""
+    from workbench.analysis import fused
+
+    name, ck, _ = layout
+    served = []
+    real = fused.stored_vs_recipe
+    monkeypatch.setattr(fused, "stored_vs_recipe",
+                        lambda gs, r: served.append(str(r)) or real(gs, r))
+    recipes = ["mxfp4:rceil", "nvfp4:torchao", "mxfp8_e4m3:rceil"]
+    ref = stored_vs_recipes(ck, recipes, progress=False, path="reference")
+    assert_tables_equal(ref, stored_vs_recipes(ck, recipes, progress=False, path="fused"),
+                        (name, "fused"), empty=name in NO_GRID)
+    # the compiled pass served the MXFP4 recipe exactly where the stored grid is MXFP4
+    stored_mx = any(getattr(ck.recipe_of(r.name), "fmt", None) == "mxfp4"
+                    for r in ck.expert_records())
+    assert set(served) == ({"mxfp4:rceil"} if stored_mx else set()), (name, served)
+
+
+def test_small_checkpoints_all_questions_and_small_batches(tmp_path):
+    """Batches of one to three weights (the batch limit cuts same-shape groups), dense layers,
+    shared experts, and a dense (BF16) checkpoint under candidate recipes."""
+    from workbench.analysis import fast
+
+    mx, bf16 = _small_ckpts(tmp_path)
+    plan = fast.Plan.default
+    try:
+        fast.Plan.default = classmethod(lambda cls, dev, w=None: cls(3 * 64 * 96, 2, 2))
+        for q, args in (("stored", (mx, RECIPES)), ("candidate-packed", (mx, RECIPES)),
+                        ("candidate-dense", (bf16, RECIPES)), ("reference", (mx, bf16))):
+            fn = {"stored": stored_vs_recipes, "reference": reference_errors}.get(
+                q, candidate_errors)
+            ref = fn(*args, progress=False, path="reference")
+            assert_tables_equal(ref, fn(*args, progress=False, path="batched"), q)
+    finally:
+        fast.Plan.default = plan
+
+
+def test_tables_show_errors_and_mismatches(tmp_path):
+    """The comparisons above must see non-trivial numbers: lossy rows, scale and code
+    mismatches, clipped elements (FP8 floor rules clip) and several exponents per weight."""
+    mx, bf16 = _small_ckpts(tmp_path)
+    t = stored_vs_recipes(mx, RECIPES, progress=False, path="batched").experts
+    assert (t.rel_err > 0).any() and (t.code_mismatch_frac > 0).any()
+    assert (t.scale_mismatch_frac > 0).any()
+    c = candidate_errors(bf16, RECIPES, progress=False, path="batched")
+    assert (c.experts.clip_frac > 0).any() and (c.experts.zero_frac > 0).any()
+    assert c.scales.groupby(["layer", "expert", "proj", "recipe"]).size().max() > 1
+
+
+def test_path_choice_is_explicit_logged_and_overridable(tmp_path, monkeypatch, caplog):
+    mx, _ = _small_ckpts(tmp_path)
+    monkeypatch.delenv(paths.ENV, raising=False)
+    with caplog.at_level(logging.INFO, logger="workbench.analysis.paths"):
+        stored_vs_recipes(mx, ["mxfp4:floor"], progress=False, device="cpu")
+    assert "stored grid vs recipes: batched path on cpu (default on CPU below" in caplog.text
+    big = paths.choose_path("auto", torch.device("cpu"), paths.COMPILE_ELEMENTS, "q")
+    assert big.path == "fused"
+    assert paths.choose_path("auto", torch.device("cuda"), 1, "q").path == "batched"
+    monkeypatch.setenv(paths.ENV, "reference")
+    assert paths.choose_path("auto", torch.device("cpu"), 1, "q").path == "reference"
+    assert paths.choose_path("batched", torch.device("cpu"), 1, "q").path == "batched"
+    monkeypatch.setenv(paths.ENV, "fast")
+    with pytest.raises(ValueError, match=paths.ENV):
+        paths.choose_path("auto", torch.device("cpu"), 1, "q")
+    with pytest.raises(ValueError, match="path must be one of"):
+        stored_vs_recipes(mx, ["mxfp4"], progress=False, path="quick")

@@ -1,0 +1,339 @@
+"""The batched (and fused) paths of the three table questions: many experts per op.
+
+Records are grouped by what they are (stored codec, profile, shape), so same-shape expert
+projections of one checkpoint form stacks of at most ``batch_elements`` elements. A reader pool
+loads the stored parts of the next batches (codes and scales undecoded, or BF16 for weights
+stored in a codec ``workbench.formats`` does not model) and stages each stack on the device:
+on CUDA into a pinned host buffer and over an async copy on the reader's own stream, so disk
+reads, host-to-device copies and the math of the current batch overlap. The math (decode,
+re-quantize, metrics, histograms) runs on the whole stack on the device (``batched.py``); only
+a few numbers per expert come back. At most ``ahead + 1`` batches are alive, which bounds host
+and device memory.
+
+Results are returned per record in record order, so the tables (rows and scale histograms) are
+built exactly as the reference builds them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import torch
+
+from workbench.formats import QuantizedTensor, Recipe, dequantize
+
+from . import batched
+from .metrics import e8m0_exponents
+
+CPU_BATCH_ELEMENTS = 1 << 21  # 2M elements (4 MB BF16, ~1.3 Qwen3 experts): the codecs keep
+# ~10 fp32-sized temporaries alive, so this bounds memory; on CPU larger stacks buy nothing
+CUDA_BATCH_ELEMENTS = 1 << 28  # 256M elements: a whole layer's experts per launch on a GPU
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the batched path runs: elements per stack, reader threads, batches read ahead."""
+
+    batch_elements: int
+    workers: int
+    ahead: int
+
+    def __post_init__(self):
+        if self.batch_elements < 1 or self.workers < 1 or self.ahead < 1:
+            raise ValueError(f"batch_elements, workers and ahead must be >= 1, got {self}")
+
+    @classmethod
+    def default(cls, device: torch.device, workers: int | None = None) -> Plan:
+        if device.type == "cuda":
+            return cls(CUDA_BATCH_ELEMENTS, workers or max(2, min(8, os.cpu_count() or 2)), 2)
+        return cls(CPU_BATCH_ELEMENTS, workers or max(1, min(2, os.cpu_count() or 1)), 2)
+
+
+def _grid_codec(ck, rec) -> bool:
+    from workbench.checkpoint.layouts import FMT_OF_CODEC
+
+    return ck.spec(rec.name).codec in FMT_OF_CODEC
+
+
+def _signature(ck, rec) -> tuple:
+    spec = ck.spec(rec.name)
+    return (spec.codec, spec.profile, tuple(rec.shape))
+
+
+def plan_batches(keys: list, sizes: list[int], limit: int) -> list[list[int]]:
+    """Indices grouped by key (first-seen order), each group cut into runs of at most ``limit``
+    elements (at least one member each)."""
+    groups: dict = {}
+    for i, k in enumerate(keys):
+        groups.setdefault(k, []).append(i)
+    out = []
+    for members in groups.values():
+        run, size = [], 0
+        for i in members:
+            if run and size + sizes[i] > limit:
+                out.append(run)
+                run, size = [], 0
+            run.append(i)
+            size += sizes[i]
+        out.append(run)
+    return out
+
+
+# -- staging: host stacks to the device -----------------------------------------------------
+
+_LOCAL = threading.local()
+
+
+def _stage(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """``t`` on ``dev``. To CUDA: through a pinned buffer (the caching host allocator reuses it)
+    on this reader thread's stream, waited for here, so the compute stream never waits on I/O."""
+    if dev.type != "cuda":
+        return t.to(dev)
+    stream = getattr(_LOCAL, "stream", None)
+    if stream is None:
+        stream = _LOCAL.stream = torch.cuda.Stream(dev)
+    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    pinned.copy_(t)
+    with torch.cuda.stream(stream):
+        out = pinned.to(dev, non_blocking=True)
+    stream.synchronize()
+    # allocated on the reader's stream, used on the compute stream: tell the allocator
+    out.record_stream(torch.cuda.default_stream(dev))
+    return out
+
+
+def _stack_stage(parts: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
+    if dev.type != "cuda":
+        return torch.stack(parts).to(dev)
+    pinned = torch.empty((len(parts), *parts[0].shape), dtype=parts[0].dtype, pin_memory=True)
+    torch.stack(parts, out=pinned)
+    stream = getattr(_LOCAL, "stream", None)
+    if stream is None:
+        stream = _LOCAL.stream = torch.cuda.Stream(dev)
+    with torch.cuda.stream(stream):
+        out = pinned.to(dev, non_blocking=True)
+    stream.synchronize()
+    # allocated on the reader's stream, used on the compute stream: tell the allocator
+    out.record_stream(torch.cuda.default_stream(dev))
+    return out
+
+
+def _stage_grid(q: QuantizedTensor, dev: torch.device) -> QuantizedTensor:
+    def mv(t):
+        return None if t is None else _stage(t, dev)
+
+    return replace(q, data=mv(q.data), scale=mv(q.scale), global_scale=mv(q.global_scale),
+                   library_global=mv(q.library_global))
+
+
+@dataclass
+class Loaded:
+    """One stack of weights on the device: the stored grid (None for dense / unmodelled codecs),
+    the host grids (for the compiled CPU pass) and the BF16 values when they were read dense."""
+
+    grid: QuantizedTensor | None
+    host_grids: list[QuantizedTensor] | None
+    dense: torch.Tensor | None
+
+    def weights(self) -> torch.Tensor:
+        """BF16 ``[E, N, K]``: what ``view.materialize()`` gives for each member."""
+        return self.dense if self.grid is None else batched.decode_stack(self.grid)
+
+
+def load_stack(ck, recs: list, dev: torch.device, *, want_grid_only: bool = False) -> Loaded:
+    """Read one batch's records (one signature) and stage them on ``dev`` as a stack."""
+    from workbench.checkpoint.grid import stored_grid
+
+    if _grid_codec(ck, recs[0]):
+        grids = [stored_grid(ck, r) for r in recs]
+        host = batched.stack_grids(grids)
+        return Loaded(_stage_grid(host, dev), grids, None)
+    if want_grid_only:
+        return Loaded(None, None, None)
+    return Loaded(None, None, _stack_stage([ck.view_of(r).materialize() for r in recs], dev))
+
+
+def pipeline(batches: list, load: Callable, compute: Callable, *, workers: int, ahead: int,
+             desc: str, total: int, progress: bool) -> Iterable:
+    """``compute(batch, load(batch))`` for each batch in order, loads on a pool running ahead."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="weight", disable=not progress)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        pending: deque = deque()
+        it = iter(batches)
+        for b in it:
+            pending.append((b, pool.submit(load, b)))
+            if len(pending) >= ahead:
+                break
+        while pending:
+            b, fut = pending.popleft()
+            loaded = fut.result()
+            nxt = next(it, None)
+            if nxt is not None:
+                pending.append((nxt, pool.submit(load, nxt)))
+            yield from compute(b, loaded)
+            bar.update(len(b))
+            del loaded
+    bar.close()
+
+
+# -- the three questions ----------------------------------------------------------------------
+
+
+def _base(rec, recipe: str) -> dict:
+    return {"layer": rec.layer, "expert": rec.expert, "proj": rec.proj, "kind": rec.kind,
+            "recipe": recipe}
+
+
+def _row(rec, recipe: str, metrics: dict) -> dict:
+    return {**_base(rec, recipe), **metrics, "numel": rec.shape[0] * rec.shape[1]}
+
+
+def _hist(rec, recipe: str, pairs) -> list[dict]:
+    base = _base(rec, recipe)
+    return [{**base, "exponent": int(e), "count": int(c)} for e, c in pairs]
+
+
+def _run(ck, items: list, keyf, dev, plan: Plan, desc: str, progress: bool, load, per_batch):
+    """Per record, in record order: (rows, hist) from ``per_batch(recs, loaded)``."""
+    sizes = [r.shape[0] * r.shape[1] for r in items]
+    batches = plan_batches([keyf(r) for r in items], sizes, plan.batch_elements)
+    results: dict[int, tuple] = {}
+
+    def compute(b, loaded):
+        for i, res in zip(b, per_batch([items[i] for i in b], loaded)):
+            results[i] = res
+        return ()
+
+    for _ in pipeline(batches, lambda b: load([items[i] for i in b]), compute,
+                      workers=plan.workers, ahead=plan.ahead, desc=desc, total=len(items),
+                      progress=progress):
+        pass
+    return [results[i] for i in range(len(items))]
+
+
+def _recipe_rows(w, recipe: Recipe, stored: QuantizedTensor | None) -> tuple[list, list]:
+    """Rows' metrics and histograms of stack ``w`` quantized with ``recipe``; with the stored
+    grid's mismatch columns when it has the same format and block layout."""
+    q = batched.quantize_stack(w, recipe)
+    ms = batched.stack_metrics(w, dequantize(q, torch.float32), q)
+    if stored is not None and recipe.fmt == stored.fmt and q.scale.shape == stored.scale.shape:
+        for m, mm in zip(ms, batched.stack_mismatch(stored, q)):
+            m.update(mm)
+    return ms, batched.stack_histograms(q)
+
+
+def candidate_results(ck, items, recipes: list[Recipe], dev, plan: Plan, progress: bool):
+    def per_batch(recs, loaded):
+        w = loaded.weights()
+        out = [([], []) for _ in recs]
+        for r in recipes:
+            ms, hs = _recipe_rows(w, r, None)
+            for (rows, hist), rec, m, h in zip(out, recs, ms, hs):
+                rows.append(_row(rec, str(r), m))
+                hist.extend(_hist(rec, str(r), h))
+        return out
+
+    return _run(ck, items, lambda r: _signature(ck, r), dev, plan, "candidate recipes", progress,
+                lambda recs: load_stack(ck, recs, dev), per_batch)
+
+
+def reference_results(ck, reference, items, label: Callable, dev, plan: Plan, progress: bool):
+    def ref_rec(rec):
+        return reference.record(rec.layer, rec.expert, rec.proj, rec.kind)
+
+    def load(recs):
+        return load_stack(ck, recs, dev), load_stack(reference, [ref_rec(r) for r in recs], dev)
+
+    def per_batch(recs, loaded):
+        mine, ref = loaded
+        w, deq = ref.weights(), mine.weights()
+        if w.shape != deq.shape:
+            raise ValueError(f"{recs[0].key}: shape {tuple(deq.shape[1:])} in {ck.path} but "
+                             f"{tuple(w.shape[1:])} in the reference")
+        ms = batched.stack_metrics(w, deq, mine.grid)
+        hs = batched.stack_histograms(mine.grid) if mine.grid is not None else [[]] * len(recs)
+        return [([_row(rec, label(rec), m)], _hist(rec, label(rec), h))
+                for rec, m, h in zip(recs, ms, hs)]
+
+    def key(rec):
+        return (*_signature(ck, rec), _signature(reference, ref_rec(rec)))
+
+    return _run(ck, items, key, dev, plan, "stored vs reference", progress, load, per_batch)
+
+
+def stored_results(ck, items, recipes: list[Recipe], dev, plan: Plan, progress: bool,
+                   use_fused: bool):
+    from . import fused
+
+    fused_ok = dict.fromkeys(recipes, False)
+    if use_fused:
+        for r in recipes:
+            why = fused.static_reason(r, dev)
+            fused.log_choice(str(r), why)
+            fused_ok[r] = why is None
+
+    def per_batch(recs, loaded):
+        stored = loaded.grid
+        if stored is None:  # stored dense: no grid to compare with (as the reference)
+            return [([], []) for _ in recs]
+        out = [([], []) for _ in recs]
+        w = None
+        for r in recipes:
+            ms, hs = [None] * len(recs), [None] * len(recs)
+            # members the compiled pass takes (logged why not for the others), then the rest
+            picked = _fused_members(loaded.host_grids, r) if fused_ok[r] and not fused._BROKEN \
+                else []
+            res = fused.stored_vs_recipe([loaded.host_grids[i] for i in picked], r) \
+                if picked else None
+            if res is None:
+                picked = []
+            for i, x in zip(picked, res or ()):
+                present = x.byte_counts.nonzero().flatten()
+                ms[i] = x.metrics
+                hs[i] = list(zip(e8m0_exponents(present).tolist(),
+                                 x.byte_counts[present].tolist()))
+            rest = [i for i in range(len(recs)) if ms[i] is None]
+            if rest:
+                w = batched.decode_stack(stored) if w is None else w
+                sel = None if len(rest) == len(recs) else torch.tensor(rest, device=w.device)
+                m2, h2 = _recipe_rows(w if sel is None else w[sel], r,
+                                      stored if sel is None else _take(stored, sel))
+                for i, m, h in zip(rest, m2, h2):
+                    ms[i], hs[i] = m, h
+            for (rows, hist), rec, m, h in zip(out, recs, ms, hs):
+                rows.append(_row(rec, str(r), m))
+                hist.extend(_hist(rec, str(r), h))
+        return out
+
+    return _run(ck, items, lambda r: _signature(ck, r), dev, plan, "stored grid vs recipes",
+                progress, lambda recs: load_stack(ck, recs, dev, want_grid_only=True), per_batch)
+
+
+def _fused_members(grids: list[QuantizedTensor], recipe: Recipe) -> list[int]:
+    """Positions of the host grids the compiled pass can take (the others' reasons logged)."""
+    from . import fused
+
+    ok = []
+    for i, g in enumerate(grids):
+        why = fused.grid_reason(g)
+        if why is None:
+            ok.append(i)
+        else:
+            fused.log_choice(str(recipe), why)
+    return ok
+
+
+def _take(q: QuantizedTensor, idx: torch.Tensor) -> QuantizedTensor:
+    """Members ``idx`` of a stacked grid."""
+    def sel(t):
+        return None if t is None else t[idx]
+
+    return replace(q, data=q.data[idx], scale=q.scale[idx], global_scale=sel(q.global_scale),
+                   library_global=sel(q.library_global), shape=(len(idx), *q.shape[1:]))
