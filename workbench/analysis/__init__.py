@@ -14,15 +14,15 @@ from .tables import (
 
 __all__ = [
                      "METRICS",
+                     "PATHS",
                      "CompareError",
                      "CompareResult",
-                     "PATHS",
                      "ErrorTables",
                      "ExpertDetail",
                      "block_scales",
                      "candidate_errors",
-                     "compare",
                      "choose_path",
+                     "compare",
                      "error_metrics",
                      "expert_detail",
                      "grid_mismatch",
