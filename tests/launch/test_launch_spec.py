@@ -58,7 +58,9 @@ def test_trainer_argv_parses_back_to_the_spec(tmp_path):
         p.add_argument(flag)
     for flag in ("--steps", "--seed", "--ckpt-every"):
         p.add_argument(flag, type=int)
+    p.add_argument("--deterministic", action="store_true")
     args, rest = p.parse_known_args(s.trainer_argv(tmp_path))
+    assert args.deterministic  # the default: bitwise-reproducible runs
     assert (args.preset, args.recipe, args.profile, args.steps, args.seed) == (
         "small", "mxfp4+mxfp8", "floor", 7, 5)
     assert args.export == "bf16"

@@ -56,7 +56,7 @@ def _losses(out: Path) -> list[float]:
 
 
 def test_config_and_cli_carry_the_switch(tmp_path):
-    assert config_from_args(["--out", str(tmp_path)]).deterministic is False
+    assert config_from_args(["--out", str(tmp_path)]).deterministic is True  # the default
     assert config_from_args(["--out", str(tmp_path), "--deterministic"]).deterministic is True
     assert config_from_args(["--out", str(tmp_path), "--no-deterministic"]).deterministic is False
     with pytest.raises(ValueError, match="deterministic must be a bool"):
@@ -70,9 +70,10 @@ def test_enable_refuses_a_nondeterministic_cublas_setting(monkeypatch):
 
 
 def test_launch_spec_argv_and_env():
-    on, off = LaunchSpec(deterministic=True), LaunchSpec()
-    assert "--deterministic" in on.trainer_argv("/tmp/x")
+    on, off = LaunchSpec(), LaunchSpec(deterministic=False)
+    assert "--deterministic" in on.trainer_argv("/tmp/x")  # on by default
     assert "--deterministic" not in off.trainer_argv("/tmp/x")
+    assert "--no-deterministic" in off.trainer_argv("/tmp/x")
     assert _job_env(on)[CUBLAS_ENV] == CUBLAS_VALUE and CUBLAS_ENV not in _job_env(off)
     # a user's own deterministic choice wins over the default
     assert _job_env(LaunchSpec(deterministic=True, env={CUBLAS_ENV: ":16:8"}))[CUBLAS_ENV] == ":16:8"

@@ -92,7 +92,7 @@ class LaunchSpec:
     stop_hook: str = DEFAULT_STOP_HOOK
     max_requeues: int = 3
     signal_delay_s: int = 90
-    deterministic: bool = False
+    deterministic: bool = True
     activation_checkpointing: str = "off"
     gpu_mem_gib: float = 141.0  # per GPU, for the memory check (H200: 141)
     skip_memory_check: bool = False
@@ -200,8 +200,7 @@ class LaunchSpec:
             argv += ["--profile", self.profile]
         if self.export:
             argv += ["--export", self.export]
-        if self.deterministic:
-            argv += ["--deterministic"]
+        argv += ["--deterministic" if self.deterministic else "--no-deterministic"]
         if self.activation_checkpointing != "off":
             argv += ["--activation-checkpointing", self.activation_checkpointing]
         return argv + list(self.trainer_args)

@@ -24,7 +24,6 @@ from pathlib import Path
 
 from workbench.train.determinism import LAUNCH_ENV as DETERMINISTIC_ENV
 
-from .fits import check_fits
 from .handle import FORMAT, RESULT_FILE, JobHandle, LaunchError, process_token
 from .spec import LaunchSpec
 
@@ -140,6 +139,10 @@ def _handle(spec: LaunchSpec, run_folder: Path, submitit_folder: Path, job) -> J
 def submit(spec: LaunchSpec) -> JobHandle:
     """Submit one run; returns its handle at once (the job runs in the background). A GPU run
     that the planner says cannot fit is refused before anything is queued (`launch.fits`)."""
+    # Here, not at module top: the planner reads the trainer's configuration (torch), and
+    # `import workbench.launch` stays light for notebooks that only attach to running jobs.
+    from .fits import check_fits
+
     check_fits(spec)
     run_folder = (Path(spec.folder) if spec.folder is not None else _default_folder(spec)).resolve()
     _prepare_run_folder(spec, run_folder)
@@ -163,6 +166,8 @@ def sweep(spec: LaunchSpec, recipes: Sequence[str] | None = None,
         raise ValueError(f"sweep: repeated combinations in {combos}")
     specs = [dataclasses.replace(spec, recipe=r, seed=s, profile=p, run_group=group)
              for r, s, p in combos]  # replace() re-runs validation for every element
+    from .fits import check_fits  # see submit()
+
     for s in specs:
         check_fits(s)
     submitit_folder = base / "submitit"

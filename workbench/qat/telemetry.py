@@ -4,7 +4,7 @@ Legend: E local experts, O out rows, I reduction dim (blocks run along I), L MoE
 
 For every expert stack the QAT seam fake-quantizes (`workbench.qat.prepare`'s GroupedSeam), one
 call quantizes the whole [E, O, I] stack with the seam's own recipe and per-expert NVFP4 amax
-(`workbench.formats.quantize`, the reference; on a GPU it runs there, batched over the stack)
+(`workbench.formats.quantize`, the reference, or on a GPU the Triton codecs with the same bits)
 and reduces per expert:
 
     rel_err     ||Q(w) - w|| / ||w||          sqnr_db   10 log10(sum w^2 / sum (Q(w) - w)^2)
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from workbench import kernels
 from workbench.formats import Recipe, format_spec, quantize
 from workbench.formats.api import dequantize
 from workbench.model.experts import GroupedExperts
@@ -81,8 +82,13 @@ def stack_stats(w_EOI: torch.Tensor, recipe: Recipe) -> StackStats:
     E = w.shape[0]
     amax = w.abs().amax(dim=(-2, -1))
     kw = {"global_amax": amax.float().view(E, 1, 1)} if recipe.fmt == "nvfp4" else {}
-    q = quantize(w, recipe, **kw)
-    fq = dequantize(q, w.dtype)
+    if w.is_cuda and kernels.supports(recipe) and kernels.available():
+        # The Triton codecs: the same bits as the reference (tested), one pass each.
+        q = kernels.quantize(w, recipe, **kw)
+        fq = kernels.fake_quantize(w, recipe, **kw)
+    else:
+        q = quantize(w, recipe, **kw)
+        fq = dequantize(q, w.dtype)
     err = (fq - w).double()
     sq_w = w.double().pow(2).sum(dim=(-2, -1))
     sq_e = err.pow(2).sum(dim=(-2, -1))
