@@ -23,12 +23,30 @@ if not _cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _inductor_cpp_blocked() -> str | None:
+    """Why torch.compile's C++ backend cannot build here, if it cannot: Inductor (torch 2.13)
+    passes torch's include and library folders to g++ unquoted, so a torch installed under a path
+    with whitespace (a clone in "/tmp/with space/") fails to link every compiled kernel. The
+    workbench then takes its reference path (logged); the tests that are about the compiled path
+    itself cannot run."""
+    import torch
+
+    folder = os.path.dirname(torch.__file__)
+    if any(c.isspace() for c in folder):
+        return (f"torch is installed under a path with whitespace ({folder!r}); Inductor's "
+                "C++ build line does not quote it (torch 2.13), so nothing compiles")
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
+    blocked = _inductor_cpp_blocked()
     has_cuda = _cuda()
     # TE needs CUDA libraries at import; probing the spec does not import it.
     has_te = has_cuda and importlib.util.find_spec("transformer_engine") is not None
     for item in items:
         if item.get_closest_marker("gpu") and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (none visible)"))
+        if item.get_closest_marker("inductor_cpp") and blocked:
+            item.add_marker(pytest.mark.skip(reason=blocked))
         if item.get_closest_marker("te") and not has_te:
             item.add_marker(pytest.mark.skip(reason="needs transformer-engine with CUDA"))

@@ -100,6 +100,7 @@ def test_batched_reference_errors_every_layout(layout):
     assert_tables_equal(ref, got, (name, "batched"))
 
 
+@pytest.mark.inductor_cpp
 def test_fused_path_every_layout(layout, monkeypatch):
     """path="fused": the compiled pass where it applies (MXFP4 grids, MXFP4 recipes), batched
     elsewhere; the table is still the reference's."""

@@ -111,13 +111,16 @@ def chromium(user_data_dir: Path):
 
 
 def copy_notebook(src: Path, dst: Path, parameters: dict) -> Path:
-    """Copy a notebook, replacing its ``parameters`` cell by one assigning ``parameters``
-    (what papermill does, so the browser opens the notebook as a user would after editing it)."""
+    """Copy a notebook, appending assignments of ``parameters`` to its ``parameters`` cell (what
+    papermill does, so the browser opens the notebook as a user would after editing it); the
+    notebook's own defaults stay for every parameter the test does not set."""
     nb = json.loads(src.read_text())
     cells = [c for c in nb["cells"] if "parameters" in c.get("metadata", {}).get("tags", [])]
     if len(cells) != 1:
         raise ValueError(f"{src}: expected one cell tagged 'parameters', found {len(cells)}")
-    cells[0]["source"] = "# Parameters\n" + "".join(
+    own = cells[0]["source"]
+    own = "".join(own) if isinstance(own, list) else own
+    cells[0]["source"] = own.rstrip("\n") + "\n# set by the test\n" + "".join(
         f"{k} = {v!r}\n" for k, v in parameters.items())
     dst.write_text(json.dumps(nb, indent=1))
     return dst

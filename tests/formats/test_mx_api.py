@@ -114,6 +114,7 @@ def test_sqnr_on_gaussian_at_least_torchao(fmt, profile):
 
 
 @pytest.mark.slow
+@pytest.mark.inductor_cpp
 @pytest.mark.parametrize(("fmt", "profile"), [("mxfp4", "rceil"), ("mxfp8_e4m3", "triton-kernels")])
 def test_fullgraph_compile_gives_the_eager_bytes(fmt, profile):
     """The reference compiles without graph breaks (QAT may compile it) and, specials included,

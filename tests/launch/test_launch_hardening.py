@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -216,8 +217,9 @@ def _fake_slurm(tmp_path: Path, fail_times: int, message: str) -> Path:
     bin_dir.mkdir()
     count = tmp_path / "calls"
     count.write_text("0")
+    # The interpreter is called from a sh wrapper, not named in a shebang: a shebang ends at the
+    # first space, and the clone (so the venv's python) may live in a path with spaces.
     script = textwrap.dedent(f"""\
-        #!{sys.executable}
         import sys
         from pathlib import Path
         p = Path({str(count)!r})
@@ -228,8 +230,10 @@ def _fake_slurm(tmp_path: Path, fail_times: int, message: str) -> Path:
             sys.exit(1)
         print("123|RUNNING")
         """)
+    (tmp_path / "fake_slurm.py").write_text(script)
+    wrapper = f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(tmp_path / "fake_slurm.py"))} "$@"\n'
     for name in ("sacct", "squeue"):
-        (bin_dir / name).write_text(script)
+        (bin_dir / name).write_text(wrapper)
         (bin_dir / name).chmod(0o755)
     return count
 
