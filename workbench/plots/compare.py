@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .experts import PROJ_ORDER, _label, _ticks
+from .experts import PROJ_ORDER, _label, projection_panels
 from .runs import _figure_class
 
 if TYPE_CHECKING:
@@ -43,25 +43,10 @@ def compare_heatmap(table: pd.DataFrame, value: str = "change_pct", *, metric: s
     if d.empty:
         raise ValueError(f"no {kind} rows in the comparison table")
     projs = tuple(p for p in PROJ_ORDER if p in set(d.proj))
-    layers, experts = sorted(d.layer.unique()), sorted(d.expert.unique())
     half = symmetric_limit(d[value])
     norm = Normalize(vmin=-half, vmax=half)  # symmetric, so 0 is the white centre of RdBu
-    n = len(projs)
-    w = min(18.0, 2.0 + 0.25 * len(experts) * n + 1.5 * n)
-    fig = _figure_class()(figsize=figsize or (max(6.0, w), max(2.8, 1.4 + 0.3 * len(layers))),
-                          layout="constrained")
-    axes = fig.subplots(1, n, squeeze=False)[0]
-    im = None
-    for ax, proj in zip(axes, projs):
-        grid = d[d.proj == proj].pivot_table(index="layer", columns="expert", values=value)
-        grid = grid.reindex(index=layers, columns=experts)
-        im = ax.imshow(grid.to_numpy(dtype=float), aspect="auto", interpolation="nearest",
-                       norm=norm, cmap="RdBu_r", origin="lower")
-        ax.set_title(f"{proj}_proj")
-        ax.set_xlabel("expert")
-        ax.set_ylabel("layer")
-        _ticks(ax.set_xticks, ax.set_xticklabels, experts)
-        _ticks(ax.set_yticks, ax.set_yticklabels, layers)
+    fig, axes, im = projection_panels(d, value, projs, {"norm": norm, "cmap": "RdBu_r"},
+                                      figsize=figsize, min_height=2.8, base_height=1.4)
     cbar = fig.colorbar(im, ax=list(axes), shrink=0.9)
     cbar.set_label(VALUE_LABELS.get(value, value).format(metric=metric) + "\n< 0: A has less error")
     fig.suptitle(f"A = {a_label} vs B = {b_label}: {_label(metric)} per expert ({kind})")

@@ -76,31 +76,42 @@ def heatmap(df: pd.DataFrame, metric: str = "rel_err", *, recipe: str | None = N
     ``recipe_heatmaps``, so equal colours mean equal errors across figures)."""
     d = _select(df, recipe, kind)
     projs = projs or tuple(p for p in PROJ_ORDER if p in set(d.proj))
-    layers = sorted(d.layer.unique())
-    experts = sorted(d.expert.unique())
     lo, hi = value_range(d[metric])
     vmin, vmax = (lo if vmin is None else vmin), (hi if vmax is None else vmax)
-    n = len(projs)
-    w = min(18.0, 2.0 + 0.25 * len(experts) * n + 1.5 * n)
-    fig = _figure_class()(figsize=figsize or (max(6.0, w), max(2.5, 1.2 + 0.3 * len(layers))),
-                          layout="constrained")
-    axes = fig.subplots(1, n, squeeze=False)[0]
-    im = None
-    for ax, proj in zip(axes, projs):
-        grid = d[d.proj == proj].pivot_table(index="layer", columns="expert", values=metric)
-        grid = grid.reindex(index=layers, columns=experts)
-        im = ax.imshow(grid.to_numpy(dtype=float), aspect="auto", interpolation="nearest",
-                       vmin=vmin, vmax=vmax, cmap="viridis", origin="lower")
-        ax.set_title(f"{proj}_proj")
-        ax.set_xlabel("expert")
-        ax.set_ylabel("layer")
-        _ticks(ax.set_xticks, ax.set_xticklabels, experts)
-        _ticks(ax.set_yticks, ax.set_yticklabels, layers)
+    fig, axes, im = projection_panels(d, metric, projs, {"vmin": vmin, "vmax": vmax,
+                                                         "cmap": "viridis"},
+                                      figsize=figsize, min_height=2.5, base_height=1.2)
     cbar = fig.colorbar(im, ax=list(axes), shrink=0.9)
     cbar.set_label(_label(metric))
     rec = recipe or d.recipe.iloc[0]
     fig.suptitle(f"{_label(metric)} per expert: {rec} ({kind})")
     return fig
+
+
+def projection_panels(d: pd.DataFrame, value: str, projs: tuple[str, ...], imshow_kw: dict, *,
+                      figsize: tuple[float, float] | None, min_height: float,
+                      base_height: float):
+    """One layer x expert panel of ``value`` per projection, drawn with ``imshow_kw`` (one norm
+    or vmin/vmax for all panels): (figure, axes, last image) for the caller's colour bar."""
+    layers, experts = sorted(d.layer.unique()), sorted(d.expert.unique())
+    n = len(projs)
+    w = min(18.0, 2.0 + 0.25 * len(experts) * n + 1.5 * n)
+    fig = _figure_class()(figsize=figsize or (max(6.0, w),
+                                              max(min_height, base_height + 0.3 * len(layers))),
+                          layout="constrained")
+    axes = fig.subplots(1, n, squeeze=False)[0]
+    im = None
+    for ax, proj in zip(axes, projs):
+        grid = d[d.proj == proj].pivot_table(index="layer", columns="expert", values=value)
+        grid = grid.reindex(index=layers, columns=experts)
+        im = ax.imshow(grid.to_numpy(dtype=float), aspect="auto", interpolation="nearest",
+                       origin="lower", **imshow_kw)
+        ax.set_title(f"{proj}_proj")
+        ax.set_xlabel("expert")
+        ax.set_ylabel("layer")
+        _ticks(ax.set_xticks, ax.set_xticklabels, experts)
+        _ticks(ax.set_yticks, ax.set_yticklabels, layers)
+    return fig, axes, im
 
 
 def _ticks(set_ticks, set_labels, values, max_ticks: int = 16):
