@@ -55,14 +55,16 @@ def final_difference(a: pd.DataFrame, b: pd.DataFrame, metric: str = "rel_err") 
     return pd.DataFrame({"a": la, "b": lb, "diff": la - lb}).reset_index()
 
 
-def _last(run: pd.DataFrame, column: str) -> tuple[int, float] | None:
-    if column not in run.columns:
-        return None
-    v = run.loc[run[column].notna(), ["step", column]]
-    if v.empty:
-        return None
-    row = v.iloc[-1]
-    return int(row["step"]), float(row[column])
+def _newest_at_most(name: str, run: pd.DataFrame, column: str, limit: float, what: str
+                    ) -> Verdict:
+    """The verdict `column`'s newest logged value <= limit (pending while none is logged; a
+    NaN fails). `what` formats the detail from the value."""
+    v = run.loc[run[column].notna(), ["step", column]] if column in run.columns else None
+    if v is None or v.empty:
+        return Verdict(name, math.nan, limit, None, "no expert statistics logged")
+    step, value = int(v.iloc[-1]["step"]), float(v.iloc[-1][column])
+    return Verdict(name, value, limit, math.isfinite(value) and value <= limit,
+                   f"step {step}: " + what.format(value))
 
 
 @dataclass(frozen=True)
@@ -76,12 +78,8 @@ class ExpertErrorBelow:
         return f"worst expert rel_err <= {self.limit:g}"
 
     def evaluate(self, run: pd.DataFrame, baseline: pd.DataFrame | None) -> Verdict:
-        got = _last(run, "expert_worst_rel_err")
-        if got is None:
-            return Verdict(self.name, math.nan, self.limit, None, "no expert statistics logged")
-        step, v = got
-        return Verdict(self.name, v, self.limit, math.isfinite(v) and v <= self.limit,
-                       f"step {step}: worst expert {v:.4g}")
+        return _newest_at_most(self.name, run, "expert_worst_rel_err", self.limit,
+                               "worst expert {:.4g}")
 
 
 @dataclass(frozen=True)
@@ -96,12 +94,8 @@ class DeadExpertsAtMost:
         return f"dead experts <= {self.count}"
 
     def evaluate(self, run: pd.DataFrame, baseline: pd.DataFrame | None) -> Verdict:
-        got = _last(run, "experts_dead")
-        if got is None:
-            return Verdict(self.name, math.nan, self.count, None, "no expert statistics logged")
-        step, v = got
-        return Verdict(self.name, v, self.count, v <= self.count,
-                       f"step {step}: {int(v)} experts without tokens for the last intervals")
+        return _newest_at_most(self.name, run, "experts_dead", self.count,
+                               "{:.0f} experts without tokens for the last intervals")
 
 
 @dataclass(frozen=True)
