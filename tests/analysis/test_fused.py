@@ -167,7 +167,9 @@ def _ckpt(tmp_path):
 
 
 @pytest.mark.inductor_cpp
-def test_stored_vs_recipes_fused_equals_reference(tmp_path, caplog):
+def test_stored_vs_recipes_fused_equals_reference(tmp_path, caplog, monkeypatch):
+    # log_choice says each choice once per process; forget what earlier tests on this worker said
+    monkeypatch.setattr(fused, "_LOGGED", set())
     ck = _ckpt(tmp_path)
     recipes = ["mxfp4:rceil", "mxfp4:ceil", "nvfp4:torchao"]
     ref = stored_vs_recipes(ck, recipes, progress=False, path="reference")

@@ -167,12 +167,13 @@ def test_attach_by_id_cannot_leave_the_index(tmp_path, launch_index):
 def test_a_reused_pid_is_not_the_job(tmp_path):
     """A local job's pid that now belongs to another process: not RUNNING, and cancel() leaves
     that process alone."""
-    gone = subprocess.Popen(["sleep", "60"])
-    token = process_token(gone.pid)
-    gone.kill()
-    gone.wait()
     other = subprocess.Popen(["sleep", "60"])  # stands for whatever got the pid later
     try:
+        # The job that had this pid started earlier: same boot, an earlier start time. (A second
+        # real process cannot stand for it: two processes started within one clock tick share a
+        # start time, and the kernel will not hand out a chosen pid.)
+        boot, start = process_token(other.pid).rsplit(":", 1)
+        token = f"{boot}:{int(start) - 1}"
         run = _write_run(tmp_path / "run", _record(tmp_path, job_id=str(other.pid),
                                                    process_token=token))
         job = JobHandle.attach(run)
