@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import TINY
 
-from workbench.checkpoint.export import ct_quantization_config, export_model
 from workbench.formats import dequantize
+from workbench.train.export import ct_quantization_config, export_model
 
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -202,9 +202,9 @@ def test_bf16_export_loads_in_transformers_and_as_init(tmp_path):
 
 
 def test_export_refuses_a_scope_that_disagrees(tmp_path):
-    from workbench.checkpoint.export import ExportError
     from workbench.model import MoEForCausalLM, tiny
     from workbench.scope import QuantScope
+    from workbench.train.export import ExportError
 
     model = MoEForCausalLM(tiny(), seed=0)
     with pytest.raises(ExportError, match="q_proj|quantized"):
@@ -249,7 +249,7 @@ def test_export_recovers_from_a_crash_in_the_swap(tmp_path, crash):
         old.mkdir()
         (old / "config.json").write_text("{}")
     if crash == "between-renames":
-        from workbench.checkpoint.export import recover_swap
+        from workbench.train.export import recover_swap
 
         recover_swap(tmp_path / "export")  # what readers get back before any new export
         assert _export_files(tmp_path / "export") == want and not old.exists()
@@ -276,7 +276,7 @@ def test_activation_scheme_is_what_compressed_tensors_writes(tmp_path):
     ModelCompressor(quantization_config=qc).update_config(str(tmp_path))
     theirs = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert ct_quantization_config("mxfp4", targets, ignore, "mxfp8_e4m3") == theirs
-    from workbench.checkpoint.export import ExportError
+    from workbench.train.export import ExportError
 
     with pytest.raises(ExportError, match="mxfp8_e5m2"):  # CT writes no E5M2 activation scheme
         ct_quantization_config("mxfp4", targets, ignore, "mxfp8_e5m2")
@@ -309,3 +309,22 @@ def test_export_states_the_trained_recipe(trained, recipe):
     else:
         assert scheme.input_activations is None
     assert scheme.output_activations is None
+
+
+def test_reader_package_imports_no_trainer():
+    """The exporter lives with the trainer: importing every module of the checkpoint (reader)
+    package loads neither workbench.model, workbench.qat nor workbench.train."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pkg = Path(__file__).resolve().parents[2] / "workbench" / "checkpoint"
+    mods = [f"workbench.checkpoint.{p.stem}" for p in sorted(pkg.glob("*.py")) if p.stem != "__init__"]
+    code = ("import importlib, sys\n"
+            f"for m in {mods!r}: importlib.import_module(m)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] in "
+            "(['workbench', 'model'], ['workbench', 'qat'], ['workbench', 'train'])))")
+    env = {**os.environ, "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=env).stdout.strip().splitlines()[-1]
+    assert out == "[]"
