@@ -98,8 +98,8 @@ def mem_worker(ckpt: str, report: str) -> None:
 
 
 def memory(eps: list[int]) -> list[dict]:
-    from workbench.checkpoint.export import export_model
     from workbench.model import MoEForCausalLM, tiny
+    from workbench.train.export import export_model
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

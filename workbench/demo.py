@@ -79,8 +79,8 @@ def structure_experts(model: torch.nn.Module, seed: int = 0) -> None:
 
 
 def _write_init(path: Path, seed: int) -> None:
-    from workbench.checkpoint.export import export_model
     from workbench.model import MoEForCausalLM, preset
+    from workbench.train.export import export_model
 
     model = MoEForCausalLM(preset(PRESET), seed=seed)
     structure_experts(model, seed)
@@ -111,9 +111,9 @@ def qat_run(args: list[str], packed: str | os.PathLike) -> dict:
     reference), then the same trained model exported packed to ``packed``, by the same
     ``export_model`` call the trainer's ``--export compressed-tensors`` makes, from the same
     fp32 masters: one run, two exports. Returns the trainer's result with ``packed`` added."""
-    from workbench.checkpoint.export import export_model
     from workbench.train import distributed
     from workbench.train.cli import config_from_args, final_summary
+    from workbench.train.export import export_model
     from workbench.train.loop import train
 
     cfg = config_from_args(args)

@@ -141,7 +141,7 @@ def cmd_write_init(args) -> dict:
     """A packed compressed-tensors MXFP4 checkpoint of a random model of the preset."""
     import torch
 
-    from workbench.checkpoint.export import export_model
+    from workbench.train.export import export_model
 
     if args.env:
         cmd_env(argparse.Namespace(out=args.env))

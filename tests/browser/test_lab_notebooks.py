@@ -35,9 +35,9 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 def write_checkpoints(folder: Path) -> tuple[Path, Path]:
     """A small MoE (4 layers x 16 experts, structured like the demo's) as a BF16 reference and
     its compressed-tensors MXFP4 export: the real packed layout, in seconds."""
-    from workbench.checkpoint.export import export_model
     from workbench.demo import structure_experts
     from workbench.model import MoEForCausalLM, preset
+    from workbench.train.export import export_model
 
     cfg = preset("tiny", num_layers=4, num_experts=16, expert_ffn=64)
     model = MoEForCausalLM(cfg, seed=0)

@@ -98,3 +98,29 @@ def test_import_is_light():
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("recipe", ["mxfp44", "mxfp5", "mxfp4+nvfp4", "mxfp4:nosuch"])
+def test_bad_recipe_raises_at_construction(recipe):
+    """The trainer's own parser runs when the spec is built, not minutes later in the job."""
+    with pytest.raises(LaunchSpecError, match="recipe") as e:
+        LaunchSpec(preset="tiny", recipe=recipe)
+    assert "\n" not in str(e.value) and "accepted" in str(e.value) or "choose" in str(e.value)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4+mxfp8", "mxfp4:floor+mxfp8", "nvfp4:te"])
+def test_every_qat_recipe_launches_into_the_trainer(tmp_path, recipe):
+    from workbench.formats.recipe import parse_qat_recipe
+    from workbench.train.cli import config_from_args
+
+    s = LaunchSpec(preset="tiny", recipe=recipe)
+    cfg = config_from_args(s.trainer_argv(tmp_path))
+    assert cfg.qat_recipe == parse_qat_recipe(recipe)
+    assert ":" not in s.name  # folder and Slurm job names
+
+
+def test_launch_choices_are_the_trainers():
+    from workbench.launch import spec
+    from workbench.train import config
+
+    assert (spec.EXPORTS, spec.WANDB_MODES) == (config.EXPORTS, config.WANDB_MODES)

@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 
 from workbench.checkpoint import open_checkpoint
-from workbench.checkpoint.export import export_model
 from workbench.model import GroupedExperts, MoEForCausalLM, tiny
 from workbench.qat import prepare
 from workbench.train import distributed
+from workbench.train.export import export_model
 from workbench.train.init import load_init
 
 out_dir, init_path, report = sys.argv[1], sys.argv[2], sys.argv[3]

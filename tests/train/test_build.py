@@ -20,7 +20,7 @@ def _no_draw(self, seed=0):
 
 
 def test_init_build_skips_the_draw_and_holds_the_init_weights(tmp_path, monkeypatch):
-    from workbench.checkpoint.export import export_model
+    from workbench.train.export import export_model
 
     src = MoEForCausalLM(tiny(), seed=3)
     path = export_model(src, tmp_path / "bf16", fmt="bf16")

@@ -36,7 +36,7 @@ def test_cli_overrides_and_preset_defaults(tmp_path):
     assert (cfg.seq, cfg.lr, cfg.warmup) == (base.seq, base.lr, base.warmup)
     with pytest.raises(ValueError, match="multiple of the world size"):
         cfg.replace(batch=6).check_world(4)
-    with pytest.raises(SystemExit):
+    with pytest.raises(ValueError, match="TrainConfig.recipe 'int3'"):
         config_from_args(["--recipe", "int3", "--out", str(tmp_path)])
 
 

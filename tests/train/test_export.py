@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import TINY
 
-from workbench.checkpoint.export import ct_quantization_config, export_model
 from workbench.formats import dequantize
+from workbench.train.export import ct_quantization_config, export_model
 
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -202,9 +202,9 @@ def test_bf16_export_loads_in_transformers_and_as_init(tmp_path):
 
 
 def test_export_refuses_a_scope_that_disagrees(tmp_path):
-    from workbench.checkpoint.export import ExportError
     from workbench.model import MoEForCausalLM, tiny
     from workbench.scope import QuantScope
+    from workbench.train.export import ExportError
 
     model = MoEForCausalLM(tiny(), seed=0)
     with pytest.raises(ExportError, match="q_proj|quantized"):
@@ -249,7 +249,7 @@ def test_export_recovers_from_a_crash_in_the_swap(tmp_path, crash):
         old.mkdir()
         (old / "config.json").write_text("{}")
     if crash == "between-renames":
-        from workbench.checkpoint.export import recover_swap
+        from workbench.train.export import recover_swap
 
         recover_swap(tmp_path / "export")  # what readers get back before any new export
         assert _export_files(tmp_path / "export") == want and not old.exists()
@@ -257,3 +257,74 @@ def test_export_recovers_from_a_crash_in_the_swap(tmp_path, crash):
     path = export_model(model, tmp_path / "export")
     assert _export_files(path) == want  # same model, same bytes: the new export is complete
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # nothing left over
+
+
+def test_activation_scheme_is_what_compressed_tensors_writes(tmp_path):
+    """A `+mxfp8` recipe: MXFP4 weights (MXFP4A16) with the dynamic MX activations of
+    compressed-tensors' own MXFP8 preset, serialised by ModelCompressor itself."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    targets, ignore = [r"re:.*\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"], ["lm_head"]
+    scheme = dict(PRESET_SCHEMES["MXFP4A16"],
+                  input_activations=PRESET_SCHEMES["MXFP8"]["input_activations"])
+    qc = QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=targets, **scheme)},
+        format="mxfp4-pack-quantized", quantization_status="compressed", ignore=ignore)
+    (tmp_path / "config.json").write_text("{}")
+    ModelCompressor(quantization_config=qc).update_config(str(tmp_path))
+    theirs = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert ct_quantization_config("mxfp4", targets, ignore, "mxfp8_e4m3") == theirs
+    from workbench.train.export import ExportError
+
+    with pytest.raises(ExportError, match="mxfp8_e5m2"):  # CT writes no E5M2 activation scheme
+        ct_quantization_config("mxfp4", targets, ignore, "mxfp8_e5m2")
+
+
+@pytest.mark.parametrize("recipe", ["mxfp4", "mxfp4+mxfp8", "nvfp4+mxfp8"])
+def test_export_states_the_trained_recipe(trained, recipe):
+    """The export's config, read back by compressed-tensors' own parser, states the run's weight
+    format and (for `+mxfp8`) its dynamic MX activations; nothing is claimed that was not trained."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    _, _, path = trained(recipe)
+    raw = json.loads((path / "config.json").read_text())["quantization_config"]
+    qc = QuantizationConfig.model_validate(raw)
+    (scheme,) = qc.config_groups.values()
+    w_fmt, _, a_fmt = recipe.partition("+")
+    # Expected values from the formats' definitions (OCP MX: 32-element E8M0 blocks; NVFP4:
+    # 16-element E4M3 blocks under a per-tensor scale), not from the exporter's tables.
+    block = {"mxfp4": 32, "nvfp4": 16}[w_fmt]
+    assert (scheme.weights.num_bits, scheme.weights.type, scheme.weights.group_size) == \
+        (4, "float", block)
+    assert scheme.weights.dynamic is False
+    assert qc.format == f"{w_fmt}-pack-quantized"
+    if a_fmt:
+        acts = scheme.input_activations
+        assert acts is not None, "a +mxfp8 run exported as weight-only"
+        assert (acts.num_bits, acts.type, acts.group_size, acts.strategy) == \
+            (8, "float", 32, "group")
+        assert acts.dynamic is True and str(acts.scale_dtype) == "torch.uint8"  # E8M0 bytes
+    else:
+        assert scheme.input_activations is None
+    assert scheme.output_activations is None
+
+
+def test_reader_package_imports_no_trainer():
+    """The exporter lives with the trainer: importing every module of the checkpoint (reader)
+    package loads neither workbench.model, workbench.qat nor workbench.train."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pkg = Path(__file__).resolve().parents[2] / "workbench" / "checkpoint"
+    mods = [f"workbench.checkpoint.{p.stem}" for p in sorted(pkg.glob("*.py")) if p.stem != "__init__"]
+    code = ("import importlib, sys\n"
+            f"for m in {mods!r}: importlib.import_module(m)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] in "
+            "(['workbench', 'model'], ['workbench', 'qat'], ['workbench', 'train'])))")
+    env = {**os.environ, "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=env).stdout.strip().splitlines()[-1]
+    assert out == "[]"

@@ -18,10 +18,10 @@ pytestmark = pytest.mark.distributed
 def test_ep2_export_equals_ep1_and_init_reads_local_experts(tmp_path):
     from safetensors import safe_open
 
-    from workbench.checkpoint.export import export_model
     from workbench.model import MoEForCausalLM, tiny
     from workbench.qat import prepare
     from workbench.train.distributed import setup
+    from workbench.train.export import export_model
     from workbench.train.init import load_init
 
     ep1 = tmp_path / "ep1"

@@ -68,24 +68,14 @@ class FormatSpec:
         }[self.element]
 
 
-MX_PROFILES = (
-    "rceil",
-    "floor",
-    "ceil",
-    "even",
-    "torchao-rceil",
-    "compressed-tensors",
-    "modelopt-export",
-    "triton-kernels",
-    "triton-kernels-main",
-    "transformers",
+# The profile names live in the torch-free recipe grammar (workbench.recipe), so launchers parse
+# recipes without torch; mx_profiles.PROFILES says who writes what.
+from workbench.recipe import (
+    MX_E4M3_PROFILES,
+    MX_E5M2_PROFILES,
+    MX_PROFILES,
+    NVFP4_PROFILES,
 )
-# compressed-tensors and ModelOpt write no MXFP8 E5M2, transformers only MXFP4
-# (mx_profiles.PROFILES says who writes what).
-MX_E5M2_PROFILES = tuple(p for p in MX_PROFILES
-                         if p not in ("compressed-tensors", "modelopt-export", "transformers"))
-MX_E4M3_PROFILES = tuple(p for p in MX_PROFILES if p != "transformers")
-NVFP4_PROFILES = ("torchao", "te", "modelopt-export", "compressed-tensors")
 
 FORMATS: dict[str, FormatSpec] = {
     "mxfp4": FormatSpec("mxfp4", "e2m1", MX_BLOCK, "e8m0", E2M1_MAX, E2M1_EMAX,

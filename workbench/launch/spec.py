@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from workbench.recipe import RecipeError, parse_qat_recipe
+
 EXECUTORS = ("local", "slurm")
+# The trainer's (workbench.train.config), repeated so a launcher imports no torch; a test pins them.
 EXPORTS = ("compressed-tensors", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
 DEFAULT_TARGET = "workbench.train.cli:main"
@@ -117,15 +120,15 @@ class LaunchSpec:
             bad(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.wandb not in WANDB_MODES:
             bad(f"wandb must be one of {WANDB_MODES}, got {self.wandb!r}")
-        for name in ("preset", "recipe"):
-            v = getattr(self, name)
-            if not isinstance(v, str) or not _NAME.match(v):
-                bad(f"{name} must be a non-empty name like 'tiny' or 'mxfp4+mxfp8', got {v!r}")
-        if self.profile is not None:
-            if not isinstance(self.profile, str) or not _NAME.match(self.profile):
-                bad(f"profile must be a name like 'floor', got {self.profile!r}")
-            if self.recipe == "bf16":
-                bad("profile applies to a quantized recipe; recipe 'bf16' has none")
+        if not isinstance(self.preset, str) or not _NAME.match(self.preset):
+            bad(f"preset must be a non-empty name like 'tiny', got {self.preset!r}")
+        if self.profile is not None and (not isinstance(self.profile, str)
+                                         or not _NAME.match(self.profile)):
+            bad(f"profile must be a name like 'floor', got {self.profile!r}")
+        try:  # the trainer's own parser: a typo fails here, not minutes later in the job
+            parse_qat_recipe(self.recipe, self.profile)
+        except RecipeError as e:
+            bad(f"recipe {self.recipe!r}: {e}")
         if self.export is not None and self.export not in EXPORTS:
             bad(f"export must be one of {EXPORTS} or None, got {self.export!r}")
         if not isinstance(self.deterministic, bool):
@@ -183,6 +186,7 @@ class LaunchSpec:
     def name(self) -> str:
         """A short, filesystem-safe run name used for default folders and Slurm job names."""
         recipe = self.recipe if self.profile is None else f"{self.recipe}-{self.profile}"
+        recipe = recipe.replace(":", "-")  # "mxfp4:floor": no ':' in folder or job names
         parts = [self.preset, recipe, f"ep{self.ep}", f"s{self.seed}"]
         return "-".join(parts)
 

@@ -75,20 +75,14 @@ def materialize_(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 def prepare_qat(model: nn.Module, cfg: TrainConfig) -> Any:
-    if cfg.recipe == "bf16":
+    if cfg.qat_recipe.is_bf16:
         return None
     try:
         from workbench.qat import prepare
     except ImportError as e:
         raise ImportError(f"recipe {cfg.recipe!r} needs workbench.qat.prepare, which is not "
                           f"importable here ({e})") from e
-    recipe = cfg.recipe if cfg.profile is None else _with_profile(cfg.recipe, cfg.profile)
-    return prepare(model, recipe=recipe, scope=QAT_SCOPE)
-
-
-def _with_profile(recipe: str, profile: str) -> str:
-    weight, sep, act = recipe.partition("+")
-    return f"{weight}:{profile}{sep}{act}"
+    return prepare(model, recipe=cfg.qat_recipe, scope=QAT_SCOPE)
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig):

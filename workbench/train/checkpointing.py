@@ -49,8 +49,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from workbench.checkpoint import errors as reader_errors
 from workbench.checkpoint.dcp_metadata import SafeFileSystemReader
-from workbench.checkpoint.export import fsync_path
 from workbench.train.distributed import DistInfo, barrier
+from workbench.train.export import fsync_path
 
 COMPLETE = "COMPLETE"
 _STEP_RE = re.compile(r"^step_(\d{8})$")

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from workbench.model.config import ModelConfigError
+from workbench.recipe import RecipeError
 from workbench.train.checkpointing import CheckpointError
 from workbench.train.config import (
     ACT_CKPT_MODES,
     EXPORTS,
-    RECIPES,
     WANDB_MODES,
     TrainConfig,
     preset_config,
@@ -57,7 +57,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", help="model + training preset (tiny, small, ...); default: the "
                    "--init checkpoint's own model (config.json; also: --preset checkpoint), or tiny "
                    "without --init")
-    p.add_argument("--recipe", default="bf16", choices=RECIPES)
+    p.add_argument("--recipe", default="bf16",
+                   help="W[:PROFILE][+A[:PROFILE]], e.g. mxfp4, nvfp4:te, mxfp4+mxfp8, "
+                        "nvfp4+mxfp8, mxfp8; bf16 / none: no quantization")
     p.add_argument("--steps", type=int)
     p.add_argument("--out", required=True, help="run directory (metrics, checkpoints, export)")
     p.add_argument("--resume", action="store_true",
@@ -77,7 +79,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--warmup", type=int)
     p.add_argument("--grad-clip", type=float)
-    p.add_argument("--profile", help="codec profile of the weight format (e.g. rceil, floor)")
+    p.add_argument("--profile", help="deprecated: the weight format's codec profile; write it in "
+                   "the recipe instead (--recipe mxfp4:floor)")
     p.add_argument("--data", action="append", metavar="PATH",
                    help="training text (repeatable): .jsonl, .parquet, .txt or folder, "
                    "datasets.save_to_disk folder, hf:NAME[:CONFIG][:SPLIT]; see docs/data.md")
@@ -115,7 +118,7 @@ def _allowed_changes(text: str) -> tuple[str, ...]:
 
 
 def config_from_args(argv: list[str] | None = None) -> TrainConfig:
-    a = parser().parse_args(argv)
+    a = parser().parse_args(argv)  # --recipe is parsed by TrainConfig (one line, exit 2 in cli)
     overrides: dict[str, Any] = {f: getattr(a, k) for k, f in _OVERRIDES.items()
                                  if getattr(a, k) is not None}
     # "--preset checkpoint" says explicitly what leaving --preset out says with --init (for
@@ -127,6 +130,47 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
                          project=a.project, allow_config_change=a.allow_config_change,
                          data=tuple(a.data or ()), val_data=tuple(a.val_data or ()),
                          distill=a.distill, **overrides)
+
+
+# TrainConfig fields the trainer CLI sets, as (field, flag); booleans and tuples are below.
+_VALUE_FLAGS = (("steps", "--steps"), ("seed", "--seed"), ("ckpt_every", "--ckpt-every"),
+                ("keep", "--keep"), ("val_every", "--val-every"), ("batch", "--batch"),
+                ("seq", "--seq"), ("lr", "--lr"), ("warmup", "--warmup"),
+                ("grad_clip", "--grad-clip"), ("profile", "--profile"),
+                ("export", "--export"), ("init", "--init"), ("tokenizer", "--tokenizer"),
+                ("token_cache", "--token-cache"), ("kd_temperature", "--kd-temperature"),
+                ("kd_weight", "--kd-weight"), ("ce_weight", "--ce-weight"),
+                ("wandb", "--wandb"), ("run_group", "--run-group"), ("run_name", "--run-name"),
+                ("project", "--project"), ("activation_checkpointing", "--activation-checkpointing"),
+                ("expert_stats_every", "--expert-stats-every"))
+
+
+def trainer_argv(cfg: TrainConfig) -> list[str]:
+    """The trainer command line (`jobs/qat.py` flags) that `config_from_args` turns back into
+    exactly `cfg`; every set field is written out, so a preset's defaults cannot drift in between.
+    Raises ValueError for a config the CLI cannot express (a field with no flag, e.g. beta1)."""
+    argv = ["--out", str(cfg.out), "--preset", "checkpoint" if cfg.preset is None else cfg.preset,
+            "--recipe", str(cfg.recipe)]
+    for name, flag in _VALUE_FLAGS:
+        v = getattr(cfg, name)
+        if v is not None:
+            argv += [flag, repr(v) if isinstance(v, float) else str(v)]
+    argv.append("--deterministic" if cfg.deterministic else "--no-deterministic")
+    for flag, on in (("--resume", cfg.resume), ("--distill", cfg.distill)):
+        if on:
+            argv.append(flag)
+    for path in cfg.data:
+        argv += ["--data", path]
+    for path in cfg.val_data:
+        argv += ["--val-data", path]
+    if cfg.allow_config_change:
+        argv += ["--allow-config-change", ",".join(cfg.allow_config_change)]
+    back = config_from_args(argv)
+    if back != cfg:
+        diff = sorted(k for k, v in cfg.to_dict().items() if back.to_dict()[k] != v)
+        raise ValueError(f"the trainer CLI has no flag for TrainConfig field(s) {diff} as set "
+                         "here; use the preset's value or pass them through trainer_args")
+    return argv
 
 
 def _install_signal_handlers() -> dict:
@@ -243,7 +287,7 @@ def cli(argv: list[str] | None = None) -> dict:
     try:
         return main(argv)
     except (CheckpointError, ResumeConfigError, DataError, TokenizerError, ModelConfigError,
-            InitError) as e:
+            InitError, RecipeError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 

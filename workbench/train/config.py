@@ -11,10 +11,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from workbench.recipe import QATRecipe, RecipeError, parse_qat_recipe
 from workbench.train.resume_config import check_allowed_changes
 
 ACT_CKPT_MODES = ("off", "full", "selective")
-RECIPES = ("bf16", "mxfp4", "mxfp4+mxfp8", "nvfp4")
 EXPORTS = ("compressed-tensors", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -25,8 +25,10 @@ class TrainConfig:
     # Model preset of workbench.model.config.PRESETS; None: the model is the --init
     # checkpoint's own architecture (its config.json).
     preset: str | None = "tiny"
+    # W[:PROFILE][+A[:PROFILE]] (workbench.formats.recipe); checked at construction, typed as
+    # `qat_recipe`. Kept as the text given so recorded run folders ("mxfp4") stay resumable.
     recipe: str = "bf16"
-    profile: str | None = None  # codec profile of the weight format (None = format default)
+    profile: str | None = None  # deprecated: the weight profile; prefer "mxfp4:floor"
     steps: int = 20
     batch: int = 8  # global sequences per step
     seq: int = 64  # tokens per sequence (inputs; one more token is read for the labels)
@@ -84,10 +86,12 @@ class TrainConfig:
             raise ValueError("--kd-temperature must be > 0, --kd-weight and --ce-weight >= 0")
         if self.distill and self.kd_weight == 0 and self.ce_weight == 0:
             raise ValueError("--distill with --kd-weight 0 and --ce-weight 0 has no objective")
-        if self.recipe not in RECIPES:
-            raise ValueError(f"recipe {self.recipe!r} is not one of {RECIPES}")
-        if self.recipe == "bf16" and self.profile is not None:
-            raise ValueError("--profile applies to a quantized recipe; recipe bf16 has none")
+        if isinstance(self.recipe, QATRecipe):
+            object.__setattr__(self, "recipe", str(self.recipe))
+        try:
+            parse_qat_recipe(self.recipe, self.profile)
+        except RecipeError as e:
+            raise RecipeError(f"TrainConfig.recipe {self.recipe!r}: {e}") from None
         for name in ("steps", "batch", "seq", "val_batches", "keep"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -106,8 +110,7 @@ class TrainConfig:
             raise ValueError("grad_clip and weight_decay must be >= 0 and adam_eps > 0")
         if self.export is not None and self.export not in EXPORTS:
             raise ValueError(f"export {self.export!r} is not one of {EXPORTS}")
-        if self.export == "compressed-tensors" and self.recipe not in ("mxfp4", "nvfp4",
-                                                                        "mxfp4+mxfp8"):
+        if self.export == "compressed-tensors" and self.qat_recipe.weight is None:
             raise ValueError(f"--export compressed-tensors packs the recipe's weight format; "
                              f"recipe {self.recipe!r} has none (use --export bf16)")
         if self.wandb not in WANDB_MODES:
@@ -128,14 +131,20 @@ class TrainConfig:
     def stats_every(self) -> int:
         """Steps between expert-statistics records (0: none): the validation interval unless
         set; bf16 runs have no fake quantization to describe."""
-        if self.recipe == "bf16":
+        if self.qat_recipe.is_bf16:
             return 0
         return self.val_every if self.expert_stats_every is None else self.expert_stats_every
 
     @property
+    def qat_recipe(self) -> QATRecipe:
+        """The typed recipe (weights and activations, with profiles) this run trains."""
+        return parse_qat_recipe(self.recipe, self.profile)
+
+    @property
     def weight_format(self) -> str | None:
         """The format the routed-expert weights are fake-quantized in (None for bf16)."""
-        return None if self.recipe == "bf16" else self.recipe.split("+")[0]
+        w = self.qat_recipe.weight
+        return None if w is None else w.fmt
 
     def check_world(self, world_size: int) -> None:
         if self.batch % world_size:

@@ -316,7 +316,7 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
         "checkpoint": str(ckpt.checkpoint_root(out) / f"step_{step:08d}"),
     }
     if not stopped and cfg.export:
-        from workbench.checkpoint.export import export_model
+        from workbench.train.export import export_model
 
         path = export_model(model, out / "export", fmt=cfg.export, recipe=cfg.recipe,
                             profile=cfg.profile, group=info.group)

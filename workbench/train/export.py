@@ -10,9 +10,9 @@ Two layouts:
   compressed-tensors' ENCODE direction (2688/amax, i.e. the reciprocal of the workbench's decode
   scale). Everything else stays BF16. `config.json` carries the `quantization_config` that
   `ModelCompressor.update_config` writes, with `config_groups` targets and `ignore` taken from the
-  QuantScope (only the scope patterns that select an exported tensor are written). The scheme is
-  weights-only (compressed-tensors' MXFP4A16 / NVFP4A16): for `mxfp4+mxfp8` the MXFP8 activation
-  fake quantization was a training-time choice and is not recorded as `input_activations`.
+  QuantScope (only the scope patterns that select an exported tensor are written). The weights
+  scheme is compressed-tensors' MXFP4A16 / NVFP4A16; a `+mxfp8` recipe adds the dynamic MXFP8
+  `input_activations` of compressed-tensors' MXFP8 preset, so the export states what was trained.
 
 Every EP rank writes its own shard (rank 0 adds the dense tensors) into a temporary folder; rank 0
 merges one `model.safetensors.index.json`, writes `config.json`, fsyncs and renames the folder into
@@ -42,6 +42,12 @@ _CT_WEIGHTS = {
     "nvfp4": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16,
               "strategy": "tensor_group", "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"},
 }
+# QuantizationArgs.model_dump() of the input_activations of compressed-tensors' MXFP8 preset: the
+# dynamic MX (E8M0 per 32) activation scheme, the one `+mxfp8` (mxfp8_e4m3) recipes train with.
+_CT_INPUT_ACTS = {
+    "mxfp8_e4m3": {"num_bits": 8, "type": "float", "symmetric": True, "group_size": 32,
+                   "strategy": "group", "dynamic": True, "scale_dtype": "torch.uint8"},
+}
 _PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -49,15 +55,22 @@ class ExportError(ValueError):
     """The model cannot be exported as asked; the message names the tensor or option."""
 
 
-def ct_quantization_config(weight_fmt: str, targets: list[str], ignore: list[str]) -> dict:
-    """The `quantization_config` compressed-tensors 0.20.1 writes for a weights-only FP4 scheme."""
+def ct_quantization_config(weight_fmt: str, targets: list[str], ignore: list[str],
+                           act_fmt: str | None = None) -> dict:
+    """The `quantization_config` compressed-tensors 0.20.1 writes for an FP4 weight scheme, with
+    the dynamic MXFP8 input-activation scheme when the run trained with one (`act_fmt`)."""
     if weight_fmt not in _CT_WEIGHTS:
         raise ExportError(f"compressed-tensors export supports {sorted(_CT_WEIGHTS)}, "
                           f"got weight format {weight_fmt!r}")
+    if act_fmt is not None and act_fmt not in _CT_INPUT_ACTS:
+        raise ExportError(f"compressed-tensors has no dynamic activation scheme for {act_fmt!r} "
+                          f"(it writes {sorted(_CT_INPUT_ACTS)}); export this run with "
+                          "--export bf16")
+    acts = None if act_fmt is None else dict(_CT_INPUT_ACTS[act_fmt])
     return {
         "config_groups": {"group_0": {
             "targets": list(targets), "weights": dict(_CT_WEIGHTS[weight_fmt]),
-            "input_activations": None, "output_activations": None, "format": None}},
+            "input_activations": acts, "output_activations": None, "format": None}},
         "format": _CT_FORMAT[weight_fmt],
         "global_compression_ratio": None,
         "ignore": list(ignore),
@@ -82,12 +95,10 @@ def _packed_experts(model: nn.Module, recipe, packed: Mapping[str, Any] | None) 
     names = [f"{n}.{w}" for n, _ in _experts_modules(model) for w in _PROJ]
     if packed is None:
         try:
-            from workbench.qat import convert
+            from workbench.qat import convert, prepared_report
         except ImportError:
-            convert = None
-        if convert is not None and any(getattr(m, "grouped_mm", None) is not None and
-                                       m.grouped_mm.__module__ != "workbench.qat.grouped"
-                                       for _, m in _experts_modules(model)):
+            convert = prepared_report = None
+        if prepared_report is not None and prepared_report(model) is not None:
             packed = convert(model)
         else:
             # Not prepared for QAT: quantize the masters directly. NVFP4 gets one global scale
@@ -218,15 +229,19 @@ def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
     world = dist.get_world_size(group) if group is not None else 1
     out_dir = Path(out_dir)
     tmp = out_dir.parent / f".tmp-{out_dir.name}"
-    wrecipe = None
+    wrecipe = arecipe = None
     if fmt == "compressed-tensors":
-        from workbench.qat.recipe import parse_qat_recipe
+        from workbench.recipe import parse_qat_recipe
 
         if recipe is None:
             raise ExportError("compressed-tensors export needs the recipe (mxfp4 or nvfp4)")
-        wrecipe = parse_qat_recipe(recipe, profile).weight
+        qr = parse_qat_recipe(recipe, profile)
+        wrecipe, arecipe = qr.weight, qr.act
         if wrecipe is None or wrecipe.fmt not in _CT_WEIGHTS:
             raise ExportError(f"recipe {recipe!r} has no FP4 weight format to pack")
+        if arecipe is not None and arecipe.fmt not in _CT_INPUT_ACTS:
+            raise ExportError(f"recipe {recipe!r}: compressed-tensors has no dynamic activation "
+                              f"scheme for {arecipe.fmt!r}; use --export bf16")
 
     tensors = _expert_tensors(model, fmt, wrecipe, packed)
     if rank == 0:
@@ -258,7 +273,8 @@ def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
             modules = sorted({k.rpartition(".")[0] + ".weight" for k in weight_map
                               if k.endswith((".weight", ".weight_packed"))})
             targets, ignore = _scope_patterns(scope, modules, packed_modules)
-            hf_cfg["quantization_config"] = ct_quantization_config(wrecipe.fmt, targets, ignore)
+            hf_cfg["quantization_config"] = ct_quantization_config(
+                wrecipe.fmt, targets, ignore, None if arecipe is None else arecipe.fmt)
         index = {"metadata": {"total_size": sum(n for _, _, n in entries)},
                  "weight_map": dict(sorted(weight_map.items()))}
         for name, obj in ((INDEX_FILE, index), ("config.json", hf_cfg)):
