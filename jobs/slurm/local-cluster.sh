@@ -9,7 +9,7 @@
 # (controller state wiped, FirstJobId from the clock) so job ids never repeat across restarts,
 # which matters because accounting (MariaDB) is kept and sacct looks jobs up by id.
 #
-# Why each unusual setting (see shared ENVIRONMENT.md, "A real Slurm cluster on one machine"):
+# Why each unusual setting (docs/formats.md, "Environment limits", has the summary):
 # - accounting through slurmdbd: submitit reads job state only through sacct; without it every
 #   state is UNKNOWN and a cancelled job never counts as done.
 # - proctrack/linuxproc, task/none, jobacct_gather/none, MpiDefault=none: no cgroups/systemd here.

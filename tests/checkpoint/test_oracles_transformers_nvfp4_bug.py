@@ -3,7 +3,7 @@
 transformers fuses the per-expert checkpoint tensors into its 3-D `Qwen3MoeExperts` parameters
 and, on the way, drops `weight_global_scale`; dense Linear layers keep their compressed-tensors
 modules and decode correctly. The workbench must decode the same files exactly. If a future
-transformers fixes this, the first test fails and says so: update FORMATS.md then.
+transformers fixes this, the first test fails and says so: update docs/formats.md then.
 """
 
 from __future__ import annotations

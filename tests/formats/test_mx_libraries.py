@@ -143,7 +143,7 @@ def test_fp16_inputs_equal_their_exact_fp32_copy(x, fmt):
 
 
 def test_torchao_nan_block_bytes_spelled_out():
-    """The special bytes FORMATS.md lists for torchao, checked against torchao itself."""
+    """The special bytes docs/formats.md lists for torchao, checked against torchao itself."""
     x = torch.zeros(4, 32)
     x[0, 3] = float("nan")
     x[1, 5] = float("inf")
@@ -224,7 +224,7 @@ def test_modelopt_sign_of_values_that_underflow_bf16_but_not_fp32():
 @SETTINGS
 @given(x=tensors(specials=FINITE), fmt=st.sampled_from(MX))
 def test_rceil_fake_quant_equals_modelopt_cuda_fake_quant(x, fmt):
-    """FORMATS.md: ModelOpt's MX fake quant is RCEIL. Against a transcription of its CUDA kernel:
+    """docs/formats.md: ModelOpt's MX fake quant is RCEIL. Against a transcription of its CUDA kernel:
     equal values (+0 == -0: the kernel leaves the sign of a zero input uninitialised), except in
     blocks whose amax is at most max * 2^-127, where ModelOpt keeps the 2^127 multiplier and the
     rceil profile (torchao/TE) zeroes the block."""

@@ -128,7 +128,7 @@ def test_every_bf16_amax_matches_triton_kernels_transcription(bf16_blocks, fmt, 
 
 
 def test_worked_bytes_from_the_spec():
-    """FORMATS.md's worked FP4 examples (OCP spec arithmetic, not read from the code)."""
+    """docs/formats.md's worked FP4 examples (OCP spec arithmetic, not read from the code)."""
     def byte(amax, profile):
         x = torch.zeros(1, 32)
         x[0, 3] = amax

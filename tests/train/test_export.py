@@ -156,7 +156,7 @@ def test_transformers_loads_mxfp4_export_and_logits_match(trained):
 
 
 def test_transformers_nvfp4_experts_bug_is_still_there(trained):
-    """transformers 5.24 drops `weight_global_scale` for MoE experts (FORMATS.md): the loaded
+    """transformers 5.24 drops `weight_global_scale` for MoE experts (docs/formats.md): the loaded
     experts are ours times the encode-direction global scale. If this fails, the bug is fixed:
     switch the NVFP4 logits test on like the MXFP4 one."""
     from transformers import AutoModelForCausalLM

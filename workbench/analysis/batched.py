@@ -29,6 +29,7 @@ import math
 import torch
 
 from workbench.formats import QuantizedTensor, Recipe, dequantize, format_spec, quantize
+from workbench.formats.nvfp4 import get_profile, quantize_nvfp4_parts
 
 from .metrics import at_max_code, block_scales, metrics_from_sums, scale_exponents
 
@@ -49,8 +50,6 @@ def quantize_stack(w_ENK: torch.Tensor, recipe: Recipe) -> QuantizedTensor:
     there, as ``nvfp4._stats`` does) and handed to the codec as the library's stored global."""
     if recipe.fmt != "nvfp4":
         return quantize(w_ENK, recipe, pad=True)
-    from workbench.formats.nvfp4 import get_profile, quantize_nvfp4_parts
-
     prof = get_profile(recipe.profile)
     E = w_ENK.shape[0]
     amax = prof.amax(w_ENK.float().reshape(E, -1), -1)

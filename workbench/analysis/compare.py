@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from workbench.checkpoint import Checkpoint, open_checkpoint
 from workbench.checkpoint.grid import stored_grid
 from workbench.formats import dequantize, parse_recipe, quantize
 
@@ -68,8 +69,6 @@ def _name(path: Path) -> str:
 
 
 def _open(ck):
-    from workbench.checkpoint import Checkpoint, open_checkpoint
-
     return ck if isinstance(ck, Checkpoint) else open_checkpoint(ck)
 
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from workbench.checkpoint.grid import stored_grid
+from workbench.checkpoint.layouts import FMT_OF_CODEC
 from workbench.formats import QuantizedTensor, Recipe, dequantize
 
 from . import batched
@@ -55,8 +57,6 @@ class Plan:
 
 
 def _grid_codec(ck, rec) -> bool:
-    from workbench.checkpoint.layouts import FMT_OF_CODEC
-
     return ck.spec(rec.name).codec in FMT_OF_CODEC
 
 
@@ -147,8 +147,6 @@ class Loaded:
 
 def load_stack(ck, recs: list, dev: torch.device, *, want_grid_only: bool = False) -> Loaded:
     """Read one batch's records (one signature) and stage them on ``dev`` as a stack."""
-    from workbench.checkpoint.grid import stored_grid
-
     if _grid_codec(ck, recs[0]):
         grids = [stored_grid(ck, r) for r in recs]
         host = batched.stack_grids(grids)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from workbench.checkpoint.grid import stored_grid
 from workbench.formats import Recipe, dequantize, parse_recipe, quantize
 
 from . import fast
@@ -158,8 +159,6 @@ def reference_errors(ck, reference, *, kinds=("routed", "shared", "dense"),
 
     Records are matched by (kind, layer, expert, proj), so the two may use different layouts.
     """
-    from workbench.checkpoint.grid import stored_grid
-
     pd = _pd()
     dev = _device(device)
     missing = [r.key for r in _records(ck, kinds)
@@ -199,8 +198,6 @@ def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "
     when the recipe reproduces the stored grid) plus ``scale_mismatch_frac`` and
     ``code_mismatch_frac`` against the stored grid. Dense-stored weights are skipped.
     """
-    from workbench.checkpoint.grid import stored_grid
-
     pd = _pd()
     recs = [parse_recipe(r) for r in recipes]
     dev = _device(device)
@@ -261,8 +258,6 @@ class ExpertDetail:
 def expert_detail(ck, layer: int, expert: int, proj: str, recipe: str | Recipe | None = None,
                   kind: str = "routed") -> ExpertDetail:
     """Decode one expert projection and quantize it with ``recipe`` (None: the stored grid)."""
-    from workbench.checkpoint.grid import stored_grid
-
     rec = ck.record(layer, expert, proj, kind)
     w = ck.view_of(rec).materialize()
     if recipe is None:

@@ -1,6 +1,6 @@
 """Reference codecs for block-scaled formats (MXFP4, MXFP8, NVFP4): the spec, in plain torch.
 
-Imports only torch. Each library's behaviour is a named profile (see FORMATS.md in shared/).
+Imports only torch. Each library's behaviour is a named profile (see docs/formats.md).
 """
 
 from .api import QuantizedTensor, dequantize, fake_quantize, quantize

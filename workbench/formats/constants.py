@@ -2,7 +2,7 @@
 
 Every number here is from the OCP Microscaling (MX) v1.0 spec, NVIDIA's NVFP4 description, or
 the IEEE-like float8 definitions that PyTorch's ``float8_e4m3fn`` / ``float8_e5m2`` implement.
-FORMATS.md (shared/) records which library does what with them; tests check the tables against
+docs/formats.md records which library does what with them; tests check the tables against
 ml_dtypes.
 """
 

@@ -1,6 +1,6 @@
 """Element-level encodings shared by every block format: E2M1 rounding and nibble packing, E8M0.
 
-Rounding of already-scaled fp32 values to E2M1 is where libraries differ (FORMATS.md): the OCP
+Rounding of already-scaled fp32 values to E2M1 is where libraries differ (docs/formats.md): the OCP
 spec and torchao round to nearest, ties to even; ModelOpt's MXFP4 export rounds ties down;
 microxcaling rounds ties away from zero. All saturate to +-6.
 """

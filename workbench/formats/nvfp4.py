@@ -1,6 +1,6 @@
 """NVFP4: E2M1 elements, one E4M3 scale per 16 elements, one fp32 global scale per tensor.
 
-Four libraries agree on the format and disagree on every operation order (FORMATS.md, NVFP4
+Four libraries agree on the format and disagree on every operation order (docs/formats.md, NVFP4
 table), so each is a row of ``PROFILES``: an ``NVFP4Profile`` whose fields are the library's own
 steps, transcribed from its source (versions pinned in pyproject's ``dev`` extra):
 

@@ -1,6 +1,6 @@
 """The NVFP4 arithmetic of each library, transcribed step by step from its source.
 
-One row of ``PROFILES`` per library (see ``nvfp4.py`` for the sources and FORMATS.md for the
+One row of ``PROFILES`` per library (see ``nvfp4.py`` for the sources and docs/formats.md for the
 table). ``g`` is always the global in the library's own stored form. Shape legend: ``x_RBS``
 blocked input (R leading dims, B blocks, S = 16), ``bamax``/``s`` per block ``_RB``.
 

@@ -31,7 +31,7 @@ X86_DEFAULT_NAN = tl.constexpr(-4194304)  # 0xFFC00000 as int32
 
 @triton.jit
 def is_nan(v):
-    # not libdevice.isnan: the interpreter cannot run it (ENVIRONMENT.md)
+    # not libdevice.isnan: the interpreter cannot run it (docs/formats.md, environment limits)
     return v != v  # noqa: PLR0124
 
 

@@ -18,6 +18,7 @@ import pandas as pd
 
 from workbench.track.budgets import COLUMNS, Budget, check, default_budgets
 from workbench.track.metrics import METRICS_FILE, as_metrics, read_metrics
+from workbench.track.offline import find_runs, merge_segments, run_files
 from workbench.track.wandb_file import CorruptRunFile
 
 # Recipe names that mean "no quantization": the run every QAT run is measured against.
@@ -85,8 +86,6 @@ def load_runs(path: str | Path, group: str | None = None,
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such run-group folder")
     if source in ("auto", "wandb"):
-        from workbench.track.offline import run_files
-
         if run_files(p):
             return [RunData(name=r.name, metrics=as_metrics(r), config=r.config,
                             summary=r.summary, source=";".join(r.paths),
@@ -108,8 +107,6 @@ def _trainer_folder(run_file: str) -> Path:
 
 
 def _wandb_runs(path: Path, group: str | None, corrupt: list[CorruptRunFile] | None = None):
-    from workbench.track.offline import find_runs, merge_segments
-
     # The trainer logs to <run folder>/wandb/. A resumed job may start a new wandb run (new
     # id) in the same folder under the same name and group: those are attempts at one run.
     attempts: dict[tuple[str, str, str], list] = {}

@@ -10,9 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from workbench.model import MoEForCausalLM, from_checkpoint, preset
+from workbench.qat import prepare
 from workbench.train.act_ckpt import apply_activation_checkpointing
 from workbench.train.config import TrainConfig
 from workbench.train.distributed import DistInfo
+from workbench.train.init import load_init
 
 # The routed experts are what QAT fake-quantizes and what the packed export packs; attention,
 # router, dense FFNs, embeddings and lm_head stay BF16 (the Kimi K3 / gpt-oss recipes).
@@ -38,8 +41,6 @@ def lr_factor(i: int, *, warmup: int, steps: int, min_ratio: float) -> float:
 def model_config(cfg: TrainConfig):
     """The model's MoEConfig: the preset's, or (no preset) the --init checkpoint's config.json.
     max_seq_len grows to --seq when a run trains on longer sequences than the preset lists."""
-    from workbench.model import from_checkpoint, preset
-
     mcfg = preset(cfg.preset) if cfg.preset is not None else from_checkpoint(cfg.init)
     return mcfg.replace(max_seq_len=max(cfg.seq, mcfg.max_seq_len))
 
@@ -48,8 +49,6 @@ def build_model(cfg: TrainConfig, info: DistInfo, *, overwritten: bool = False) 
     """`overwritten`: every parameter is about to be loaded (--init or a checkpoint), so the
     seeded initialisation (drawn on CPU, seconds per billion parameters) is skipped and the
     parameters are left uninitialised; the loaders fail on any tensor they cannot fill."""
-    from workbench.model import MoEForCausalLM
-
     mcfg = model_config(cfg)
     if mcfg.num_experts % info.world:
         what = f"preset {cfg.preset!r}" if cfg.preset else f"--init {cfg.init}"
@@ -77,11 +76,6 @@ def materialize_(model: nn.Module, device: torch.device) -> nn.Module:
 def prepare_qat(model: nn.Module, cfg: TrainConfig) -> Any:
     if cfg.qat_recipe.is_bf16:
         return None
-    try:
-        from workbench.qat import prepare
-    except ImportError as e:
-        raise ImportError(f"recipe {cfg.recipe!r} needs workbench.qat.prepare, which is not "
-                          f"importable here ({e})") from e
     return prepare(model, recipe=cfg.qat_recipe, scope=QAT_SCOPE)
 
 
@@ -104,8 +98,6 @@ def build(cfg: TrainConfig, info: DistInfo, *, resuming: bool = False) -> Built:
     """`resuming`: a checkpoint will overwrite every weight, so --init is not read."""
     model = build_model(cfg, info, overwritten=resuming or bool(cfg.init))
     if cfg.init and not resuming:
-        from workbench.train.init import load_init
-
         load_init(cfg.init, model, info)
     report = prepare_qat(model, cfg)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)

@@ -32,6 +32,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from workbench.formats import quantize
+from workbench.model.config import to_hf_config
+from workbench.model.experts import GroupedExperts
+from workbench.qat import convert, prepared_report
+from workbench.recipe import parse_qat_recipe
+from workbench.scope import QuantScope
+
 INDEX_FILE = "model.safetensors.index.json"
 CT_VERSION = "0.20.1"  # the compressed-tensors release whose on-disk layout this reproduces
 _CT_FORMAT = {"mxfp4": "mxfp4-pack-quantized", "nvfp4": "nvfp4-pack-quantized"}
@@ -85,8 +92,6 @@ def ct_quantization_config(weight_fmt: str, targets: list[str], ignore: list[str
 
 
 def _experts_modules(model: nn.Module):
-    from workbench.model.experts import GroupedExperts
-
     return [(n, m) for n, m in model.named_modules() if isinstance(m, GroupedExperts)]
 
 
@@ -94,17 +99,11 @@ def _packed_experts(model: nn.Module, recipe, packed: Mapping[str, Any] | None) 
     """{param name: QuantizedTensor [E_local, out, in]} for every routed-expert stack."""
     names = [f"{n}.{w}" for n, _ in _experts_modules(model) for w in _PROJ]
     if packed is None:
-        try:
-            from workbench.qat import convert, prepared_report
-        except ImportError:
-            convert = prepared_report = None
-        if prepared_report is not None and prepared_report(model) is not None:
+        if prepared_report(model) is not None:
             packed = convert(model)
         else:
             # Not prepared for QAT: quantize the masters directly. NVFP4 gets one global scale
             # per expert (the EP-invariant choice, as every expert is its own Linear on disk).
-            from workbench.formats import quantize
-
             packed = {}
             for n, m in _experts_modules(model):
                 for w in _PROJ:
@@ -177,8 +176,6 @@ def _scope_patterns(scope, names: list[str], packed_modules: set[str]) -> tuple[
 
 
 def _hf_config(model: nn.Module) -> dict:
-    from workbench.model.config import to_hf_config
-
     cfg = json.loads(to_hf_config(model.config).to_json_string())
     cfg["dtype"] = "bfloat16"
     return cfg
@@ -231,8 +228,6 @@ def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
     tmp = out_dir.parent / f".tmp-{out_dir.name}"
     wrecipe = arecipe = None
     if fmt == "compressed-tensors":
-        from workbench.recipe import parse_qat_recipe
-
         if recipe is None:
             raise ExportError("compressed-tensors export needs the recipe (mxfp4 or nvfp4)")
         qr = parse_qat_recipe(recipe, profile)
@@ -266,8 +261,6 @@ def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
         hf_cfg = _hf_config(model)
         if fmt == "compressed-tensors":
             if scope is None:
-                from workbench.scope import QuantScope
-
                 scope = QuantScope.preset("routed-experts", str(wrecipe))
             packed_modules = {k.rpartition(".")[0] for k in weight_map if k.endswith(".weight_packed")}
             modules = sorted({k.rpartition(".")[0] + ".weight" for k in weight_map

@@ -16,6 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from workbench.checkpoint.dcp import CheckpointStorageReader, LocalChunkLoadPlanner
+from workbench.model.experts import GroupedExperts
 from workbench.train.distributed import DistInfo
 
 _PROJ = {"w1": "gate", "w3": "up", "w2": "down"}
@@ -27,8 +29,6 @@ class InitError(ValueError):
 
 def init_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
     """(DCP state dict of parameter storages, expert-stack offsets) for this rank."""
-    from workbench.model.experts import GroupedExperts
-
     sd: dict[str, torch.Tensor] = {}
     offsets: dict[str, tuple] = {}
     tied = getattr(model.config, "tie_embeddings", False)
@@ -51,10 +51,6 @@ def init_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str
 @torch.no_grad()
 def load_init(path: str | Path, model: nn.Module, info: DistInfo) -> dict:
     """Collective: fill `model` from the HF checkpoint at `path`; returns read statistics."""
-    try:
-        from workbench.checkpoint.dcp import CheckpointStorageReader, LocalChunkLoadPlanner
-    except ImportError as e:  # pragma: no cover - the package ships it
-        raise ImportError(f"--init needs workbench.checkpoint.dcp ({e})") from e
     reader = CheckpointStorageReader(str(path))
     md = reader.read_metadata().state_dict_metadata
     sd, offsets = init_state_dict(model)

@@ -41,6 +41,7 @@ from workbench.train.datasets import DATA_JSON, load_train_data
 from workbench.train.determinism import enable as enable_determinism
 from workbench.train.distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier
 from workbench.train.expert_stats import ExpertStatsRecorder
+from workbench.train.export import export_model
 from workbench.train.fqtime import FakeQuantTimer
 from workbench.train.memory import SavedTensorMeter, state_bytes
 from workbench.train.metrics import MetricsWriter, truncate_metrics
@@ -316,7 +317,6 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
         "checkpoint": str(ckpt.checkpoint_root(out) / f"step_{step:08d}"),
     }
     if not stopped and cfg.export:
-        from workbench.train.export import export_model
 
         path = export_model(model, out / "export", fmt=cfg.export, recipe=cfg.recipe,
                             profile=cfg.profile, group=info.group)
