@@ -289,3 +289,52 @@ def test_launch_notebook_live_progress_then_budgets(tmp_path, browser_ready, art
             s.on_failure()
             raise
     publish(shots, artifacts, screenshot_dirs)
+
+
+def test_telemetry_notebook_heatmaps(tmp_path, browser_ready, artifacts, screenshot_dirs):
+    """05_expert_telemetry on two real tiny QAT runs (MXFP4, NVFP4) that recorded per-expert
+    statistics at steps 0, 3 and 6: the three expert x step heatmaps, the error-growth bars, the
+    run-vs-run map and the budget table render in the browser."""
+    from workbench.track import expert_stats as es
+    from workbench.train import distributed
+    from workbench.train.config import tiny as tiny_config
+    from workbench.train.loop import train
+
+    root = tmp_path / "lab"
+    group = root / "runs" / "telemetry"
+    info = distributed.setup()
+    for recipe in ("mxfp4", "nvfp4"):
+        train(tiny_config(str(group / f"tiny-{recipe}"), recipe=recipe, steps=6, batch=4, seq=32,
+                          wandb="disabled", warmup=2, ckpt_every=0, val_every=3), info)
+    steps = sorted(es.read(group / "tiny-mxfp4")["step"].unique())
+    assert steps == [0, 3, 6], steps
+    name = "05_expert_telemetry.ipynb"
+    copy_notebook(NOTEBOOKS / name, root / name, {
+        "group_dir": "runs/telemetry", "run_dirs": None, "max_rel_err": 0.2, "max_dead": 0,
+        "max_churn": 1.0, "top_n": 10})
+    shots: list[str] = []
+    with jupyter_lab(root, tmp_path / "jupyter") as url, chromium(tmp_path / "profile") as page:
+        s = Session(page, artifacts, tmp_path / "jupyter" / "jupyter.log")
+        try:
+            open_notebook(page, url, name)
+            page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
+            run_all_from_menu(page)
+            cells = wait_all_executed(page, timeout_s=180)
+            for needle, shot in (('es.per_expert(df, "rel_err")', "05_error.png"),
+                                 ('es.per_expert(df[df.step > 0], "load")', "05_load.png"),
+                                 ('es.per_expert(df[df.churn.notna()], "churn")', "05_churn.png"),
+                                 ("error_growth(growth, n=top_n", "05_growth.png"),
+                                 ("figs = [map_difference(", "05_run_vs_run.png")):
+                c = cell(page, cells, needle)
+                imgs = png_images(c)
+                assert len(imgs) == 1 and is_png(imgs[0]), (needle, len(imgs))
+                shots.append(shoot(c.locator(".jp-OutputArea"), artifacts, shot))
+            verdicts = cell(page, cells, "budgets = (es.ExpertErrorBelow").locator(".jp-OutputArea")
+            text = verdicts.text_content()
+            assert "tiny-mxfp4" in text and "tiny-nvfp4" in text, text[-800:]
+            assert "worst expert rel_err" in text and "<NA>" not in text, text[-800:]
+            shots.append(shoot(verdicts, artifacts, "05_budgets.png"))
+        except BaseException:
+            s.on_failure()
+            raise
+    publish(shots, artifacts, screenshot_dirs)
