@@ -1,11 +1,11 @@
-"""The unquantized grouped GEMM seam the model relies on (weight=act=None): per-row oracle, ragged/empty groups, gradients, input checks."""
+"""The plain grouped GEMM the model owns (workbench.model.grouped): per-row oracle, ragged/empty groups, gradients, input checks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from workbench.qat.grouped import grouped_mm
+from workbench.model.grouped import grouped_mm
 
 
 def _rowwise_oracle(x_TI, w_EOI, ends):

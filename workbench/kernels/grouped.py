@@ -1,4 +1,4 @@
-"""CUDA fast path of ``workbench.qat.grouped.grouped_mm``: one ``torch._grouped_mm`` launch
+"""CUDA fast path of ``workbench.model.grouped.grouped_mm``: one ``torch._grouped_mm`` launch
 (forward, and its autograd backward: dx = dy @ Q(w), dw = dy^T @ Q(x)) instead of a loop of
 per-expert matmuls. The fake quantization itself happens before, in ``workbench.qat.ste`` (the
 Triton kernels on CUDA), so the numerics are the reference's: same quantized operands, same

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.qat.grouped import grouped_mm
+from workbench.model.grouped import grouped_mm
 
 
 class GroupedExperts(nn.Module):

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from workbench.formats import QuantizedTensor, Recipe, format_spec, quantize
+from workbench.model.grouped import grouped_mm as plain_grouped_mm
 
 from .grouped import grouped_mm
 from .recipe import QATRecipe, parse_qat_recipe
@@ -181,7 +182,7 @@ def unprepare(model: nn.Module) -> None:
     for mname in {s.module_name for s in report.converted}:
         mod = modules[mname]
         if isinstance(mod.__dict__.get("grouped_mm"), GroupedSeam):
-            mod.grouped_mm = grouped_mm
+            mod.grouped_mm = plain_grouped_mm
         mod.__dict__.pop("forward", None)
     delattr(model, _STATE_ATTR)
 

@@ -1,0 +1,76 @@
+"""The plain grouped GEMM behind `GroupedExperts`' seam (no quantization).
+
+Legend: T tokens (rows, sorted by expert), I reduction dim, O output dim, E experts.
+
+`grouped_mm(x_TI, w_EOI, offs_E)` computes, for expert e, rows offs[e-1]:offs[e] of x times
+w[e].T (Linear convention, like `torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)`).
+Rows at or past offs[-1] are outputs of no expert: they are zero here.
+
+The model owns this function; `workbench.qat` swaps the experts' `grouped_mm` attribute from
+outside for one that fake-quantizes the operands and then calls this one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workbench.kernels import grouped as fast
+
+
+def check(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor) -> None:
+    if x_TI.dim() != 2 or w_EOI.dim() != 3:
+        raise ValueError(f"grouped_mm expects x [T, I] and w [E, O, I], got {tuple(x_TI.shape)} "
+                         f"and {tuple(w_EOI.shape)}")
+    if x_TI.shape[1] != w_EOI.shape[2]:
+        raise ValueError(f"grouped_mm reduction dims differ: x has I={x_TI.shape[1]}, "
+                         f"w has I={w_EOI.shape[2]}")
+    if offs_E.dim() != 1 or offs_E.shape[0] != w_EOI.shape[0]:
+        raise ValueError(f"grouped_mm offs must be [E={w_EOI.shape[0]}], got {tuple(offs_E.shape)}")
+    if offs_E.dtype != torch.int32:
+        raise TypeError(f"grouped_mm offs must be int32 (as torch._grouped_mm), got {offs_E.dtype}")
+
+
+def _ends(x_TI: torch.Tensor, offs_E: torch.Tensor) -> list[int]:
+    """The group ends on the host, validated. On CUDA `tolist` waits for the GPU, so callers
+    queue the fake-quant launches first: they run while the host waits, instead of after."""
+    ends = offs_E.tolist()
+    prev = 0
+    for e, end in enumerate(ends):
+        if end < prev:
+            raise ValueError(f"grouped_mm offs must be non-decreasing, offs[{e}]={end} < {prev}")
+        prev = end
+    if prev > x_TI.shape[0]:
+        raise ValueError(f"grouped_mm offs[-1]={prev} exceeds the {x_TI.shape[0]} rows of x")
+    return ends
+
+
+def grouped_mm(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Per-expert `x[rows of e] @ w[e].T`; differentiable in x and w; empty groups allowed."""
+    check(x_TI, w_EOI, offs)
+    ends = _ends(x_TI, offs)
+    if x_TI.is_cuda:
+        if torch.is_autocast_enabled("cuda"):
+            # fp32 masters under bf16 autocast: cast as autocast would for a matmul (after fake
+            # quantization, whose values bf16 holds exactly), so the grouped kernel can take them
+            dt = torch.get_autocast_dtype("cuda")
+            x_TI, w_EOI = x_TI.to(dt), w_EOI.to(dt)
+        if fast.usable(x_TI, w_EOI, ends[-1] if ends else 0):
+            return fast.grouped_mm_cuda(x_TI, w_EOI, offs, ends[-1])
+    # A loop over experts is the readable reference and is exact on CPU. torch._grouped_mm runs
+    # on CPU in torch 2.13 but its backward rejects expanded (stride-0) gradients such as the
+    # one from `y.sum()`, and it leaves rows past offs[-1] uninitialised.
+    # split/unbind (not x[a:b] / w[e]): their backward is one concatenation, whereas per-expert
+    # slicing materialises a full-size zero gradient per expert (quadratic in E: 22x slower
+    # backward at E=128 on CPU, measured by the model work).
+    start, counts = 0, []
+    for end in ends:
+        counts.append(end - start)
+        start = end
+    tail = x_TI.shape[0] - start
+    if w_EOI.shape[0] == 0:
+        return x_TI.new_zeros(x_TI.shape[0], w_EOI.shape[1])
+    x_parts = x_TI.split(counts + [tail], dim=0)
+    pieces_TO = [x_e @ w_e.transpose(0, 1) for x_e, w_e in zip(x_parts, w_EOI.unbind(0))]
+    if tail:
+        pieces_TO.append(x_TI.new_zeros(tail, w_EOI.shape[1]))
+    return torch.cat(pieces_TO, dim=0)
