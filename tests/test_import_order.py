@@ -39,7 +39,6 @@ CLI = "command entry point: subcommands import only what they run"
 # functions and guarded imports. An entry that no longer occurs fails the test (keep it short).
 EXCEPTIONS: dict[tuple[str, str], str] = {
     # edges against the order
-    ("workbench.train.cli", "workbench.track.logger"): RECIPE,
     ("workbench.train.cli", "workbench.train.loop"): RECIPE,
     ("workbench.train.cli", "workbench.train"): RECIPE,
     ("workbench.train.cli", "workbench.train.determinism"): RECIPE,

@@ -20,7 +20,7 @@ from workbench.track.budgets import (
     publish,
 )
 from workbench.track.compare import Comparison, RunData, compare, load_runs, runs_table
-from workbench.track.logger import (
+from workbench.train.logger import (
     Logger,
     NullLogger,
     TrackingWarning,

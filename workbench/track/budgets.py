@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
-from workbench.track.logger import Logger
+from workbench.train.logger import Logger
 from workbench.track.metrics import as_metrics
 
 

@@ -35,6 +35,7 @@ from workbench.train.config import (
 )
 from workbench.train.datasets import DataError
 from workbench.train.init import InitError
+from workbench.train.logger import make_logger
 from workbench.train.resume_config import CHANGEABLE, ResumeConfigError, parse_allowed_changes
 from workbench.train.tokenizer import TokenizerError
 
@@ -252,8 +253,6 @@ def main(argv: list[str] | None = None) -> dict:
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(json.dumps(resolved, indent=1) + "\n")
             print("[train] config " + json.dumps(resolved, sort_keys=True), flush=True)
-            from workbench.track.logger import make_logger
-
             logger = make_logger(cfg.wandb, rank=info.rank, project=cfg.project,
                                  group=cfg.run_group, name=cfg.run_name or Path(cfg.out).name,
                                  dir=str(cfg.out), config=resolved,
