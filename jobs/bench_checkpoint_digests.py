@@ -58,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "plain read (baseline)": [], "verify()": []}
     nbytes = 0
     try:
-        ensure = ckpt.ensure_optimizer_state
-        ensure(opt)  # the optimizer state exists before the first timed write, in both arms
+        ckpt.ensure_optimizer_state(opt)  # the optimizer state exists before the first timed write, in both arms
         for i in range(a.repeat):
             # alternate which arm goes first: page cache and writeback of the previous arm's
             # files otherwise favour whichever runs second

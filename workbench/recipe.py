@@ -38,7 +38,6 @@ FORMAT_PROFILES: dict[str, tuple[tuple[str, ...], str]] = {
     "mxfp8_e5m2": (MX_E5M2_PROFILES, "rceil"),
     "nvfp4": (NVFP4_PROFILES, "torchao"),
 }
-FORMATS = FORMAT_PROFILES  # the format names, for messages
 
 ALIASES = {"mxfp8": "mxfp8_e4m3"}
 BASELINES = ("bf16", "none")  # the spellings of "no quantization"
@@ -49,11 +48,14 @@ class RecipeError(ValueError):
     """A recipe string that does not parse; the message is one line and lists what is accepted."""
 
 
+def _formats_text() -> str:
+    alias = ", ".join(f"{a} = {b}" for a, b in ALIASES.items())
+    return f"formats {', '.join(sorted(FORMAT_PROFILES))} (alias {alias})"
+
+
 def accepted() -> str:
     """One line: the grammar, the formats and aliases, the baseline spellings."""
-    fmts = ", ".join(sorted(FORMATS))
-    alias = ", ".join(f"{a} = {b}" for a, b in ALIASES.items())
-    return (f"accepted: {GRAMMAR} with formats {fmts} (alias {alias}), e.g. mxfp4, "
+    return (f"accepted: {GRAMMAR} with {_formats_text()}, e.g. mxfp4, "
             f"nvfp4:te, mxfp4+mxfp8, nvfp4+mxfp8; or {' / '.join(BASELINES)} for none")
 
 
@@ -63,7 +65,7 @@ class Recipe:
     profile: str
 
     def __post_init__(self) -> None:
-        if self.fmt not in FORMATS:
+        if self.fmt not in FORMAT_PROFILES:
             raise RecipeError(f"unknown format {self.fmt!r}; {accepted()}")
         profiles = FORMAT_PROFILES[self.fmt][0]
         if self.profile not in profiles:
@@ -77,8 +79,7 @@ class Recipe:
 
 
 def _codec_accepted() -> str:
-    return (f"accepted: FORMAT[:PROFILE] with formats {', '.join(sorted(FORMATS))} "
-            f"(alias {', '.join(f'{a} = {b}' for a, b in ALIASES.items())})")
+    return f"accepted: FORMAT[:PROFILE] with {_formats_text()}"
 
 
 def _parse_part(text: str, profile: str | None, tail: str) -> Recipe:
@@ -87,7 +88,7 @@ def _parse_part(text: str, profile: str | None, tail: str) -> Recipe:
     if sep and profile is not None and prof != profile:
         raise RecipeError(f"recipe {text!r} names profile {prof!r} but profile={profile!r} "
                           "was passed")
-    if fmt not in FORMATS:
+    if fmt not in FORMAT_PROFILES:
         raise RecipeError(f"unknown format {fmt!r} in recipe {text!r}; {tail}")
     prof = prof if sep else profile
     return Recipe(fmt, prof if prof else FORMAT_PROFILES[fmt][1])

@@ -1,6 +1,6 @@
 """QAT recipes: which format fake-quantizes the weights and which the activations.
 
-The type and its grammar live in ``workbench.formats.recipe`` (the bottom layer, so the trainer's
+The type and its grammar live in ``workbench.recipe`` (the bottom layer, so the trainer's
 config, the launcher and the CLI parse without importing the model); re-exported here.
 """
 

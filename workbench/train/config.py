@@ -25,7 +25,7 @@ class TrainConfig:
     # Model preset of workbench.model.config.PRESETS; None: the model is the --init
     # checkpoint's own architecture (its config.json).
     preset: str | None = "tiny"
-    # W[:PROFILE][+A[:PROFILE]] (workbench.formats.recipe); checked at construction, typed as
+    # W[:PROFILE][+A[:PROFILE]] (workbench.recipe); checked at construction, typed as
     # `qat_recipe`. Kept as the text given so recorded run folders ("mxfp4") stay resumable.
     recipe: str = "bf16"
     profile: str | None = None  # deprecated: the weight profile; prefer "mxfp4:floor"
