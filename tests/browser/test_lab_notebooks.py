@@ -98,6 +98,16 @@ class Session:
                 shutil.copyfile(self.log, self.artifacts / "jupyter.log")
 
 
+def run_notebook(page, url: str, name: str, *, timeout_s: float, poll=None,
+                 hide_left: bool = False) -> list[dict]:
+    """Open ``name``, Run All from the menu as a user does, and wait until every cell ran."""
+    open_notebook(page, url, name)
+    if hide_left:  # the file browser off: wider outputs for the screenshots
+        page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
+    run_all_from_menu(page)
+    return wait_all_executed(page, timeout_s=timeout_s, poll=poll)
+
+
 def wait_changed(picker, before: bytes, *, timeout_s: float = 60) -> bytes:
     """The picker's figure once it differs from ``before``."""
     page = picker.page
@@ -124,10 +134,7 @@ def test_inspection_notebook_heatmaps_and_expert_picker(tmp_path, browser_ready,
     with jupyter_lab(root, tmp_path / "jupyter") as url, chromium(tmp_path / "profile") as page:
         s = Session(page, artifacts, tmp_path / "jupyter" / "jupyter.log")
         try:
-            open_notebook(page, url, name)
-            page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
-            run_all_from_menu(page)
-            cells = wait_all_executed(page, timeout_s=180)
+            cells = run_notebook(page, url, name, timeout_s=180, hide_left=True)
             page.locator(".jp-Notebook .jp-Cell").first.evaluate(
                 "e => e.scrollIntoView({block: 'start'})")
             shots.append(shoot(page, artifacts, "01_notebook.png"))
@@ -229,10 +236,7 @@ def test_launch_notebook_live_progress_then_budgets(tmp_path, browser_ready, art
     with jupyter_lab(root, tmp_path / "jupyter") as url, chromium(tmp_path / "profile") as page:
         s = Session(page, artifacts, tmp_path / "jupyter" / "jupyter.log")
         try:
-            open_notebook(page, url, n02)
-            page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
-            run_all_from_menu(page)
-            cells = wait_all_executed(page, timeout_s=600, poll=watch_progress)
+            cells = run_notebook(page, url, n02, timeout_s=600, poll=watch_progress, hide_left=True)
             # Progress appeared while the jobs ran: a live status table with a running job.
             assert seen, "no live status table with a running job was shown"
             assert (artifacts / "02_progress.png").exists()
@@ -253,9 +257,7 @@ def test_launch_notebook_live_progress_then_budgets(tmp_path, browser_ready, art
             launched = sorted(p.parent.name for p in (root / "runs" / "launch").glob("*/launch.json"))
             assert launched == ["tiny-bf16-ep4-s0", "tiny-mxfp4+mxfp8-ep4-s0"], launched
 
-            open_notebook(page, url, n03)
-            run_all_from_menu(page)
-            cells = wait_all_executed(page, timeout_s=180)
+            cells = run_notebook(page, url, n03, timeout_s=180)
             verdicts = cell(page, cells, "chart_data(cmp.budgets").locator(".jp-OutputArea")
             text = verdicts.text_content()
             assert "tiny-mxfp4+mxfp8-ep4-s0" in text and "val_loss within 2%" in text, text[-800:]
@@ -270,9 +272,7 @@ def test_launch_notebook_live_progress_then_budgets(tmp_path, browser_ready, art
                 shots.append(shoot(c.locator(".jp-OutputArea"), artifacts, name))
 
             # 04_compare fed directly by 02's exports: QAT run vs BF16 baseline, per expert.
-            open_notebook(page, url, n04)
-            run_all_from_menu(page)
-            cells = wait_all_executed(page, timeout_s=300)
+            cells = run_notebook(page, url, n04, timeout_s=300)
             summary = cell(page, cells, "result = compare(").locator(".jp-OutputArea")
             text = summary.text_content()
             assert "QAT run tiny-mxfp4+mxfp8-ep4-s0 vs BF16 baseline tiny-bf16-ep4-s0" in text
@@ -316,10 +316,7 @@ def test_telemetry_notebook_heatmaps(tmp_path, browser_ready, artifacts, screens
     with jupyter_lab(root, tmp_path / "jupyter") as url, chromium(tmp_path / "profile") as page:
         s = Session(page, artifacts, tmp_path / "jupyter" / "jupyter.log")
         try:
-            open_notebook(page, url, name)
-            page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
-            run_all_from_menu(page)
-            cells = wait_all_executed(page, timeout_s=180)
+            cells = run_notebook(page, url, name, timeout_s=180, hide_left=True)
             for needle, shot in (('es.per_expert(df, "rel_err")', "05_error.png"),
                                  ('es.per_expert(df[df.step > 0], "load")', "05_load.png"),
                                  ('es.per_expert(df[df.churn.notna()], "churn")', "05_churn.png"),
