@@ -145,3 +145,83 @@ def test_prepared_linear_experts_compile_with_zero_graph_breaks():
     assert explanation.graph_break_count == 0, explanation.break_reasons
     # aot_eager keeps eager kernels, so the traced graph must reproduce eager bit for bit
     assert torch.equal(torch.compile(fwd, backend="aot_eager")(x, offs), fwd(x, offs))
+
+
+def _swiglu_experts(seed=0, E=4, D=64, F=32):
+    from workbench.model.experts import GroupedExperts
+
+    torch.manual_seed(seed)
+    m = nn.Module()
+    m.experts = GroupedExperts(E, D, F, dtype=torch.bfloat16)
+    for p in m.parameters():
+        nn.init.normal_(p, std=0.05)
+    return m
+
+
+def test_swiglu_quantizes_its_input_once_for_w1_and_w3(monkeypatch):
+    """w1 and w3 read the same activations: one activation fake quantization for both (plus one
+    for w2's input), with outputs and gradients equal to quantizing each operand on its own."""
+    import workbench.qat.grouped as qg
+
+    offs = torch.tensor([5, 9, 9, 16], dtype=torch.int32)
+    x = (torch.randn(16, 64, generator=torch.Generator().manual_seed(1)) * 3).bfloat16()
+    m = _swiglu_experts()
+    prepare(m, "mxfp4+mxfp8", QuantScope.from_patterns(["re:experts$"]))
+    calls = []
+    real = qg.fake_quant_ste
+    monkeypatch.setattr(qg, "fake_quant_ste", lambda t, r, **kw: calls.append(
+        (tuple(t.shape), kw.get("per_leading", False))) or real(t, r, **kw))
+    xi = x.clone().requires_grad_()
+    y = m.experts(xi, offs)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    acts = [c[0] for c in calls if not c[1]]
+    assert acts == [(16, 64), (16, 32)], calls
+
+    # The same layer by hand: every operand quantized on its own, autograd through leaves.
+    e = m.experts
+    xq = fake_quantize(x, A).requires_grad_()
+    wq = {n: torch.stack([fake_quantize(getattr(e, n)[i].detach(), W) for i in range(4)])
+          .requires_grad_() for n in ("w1", "w3", "w2")}
+
+    def mm(a, w):
+        out, start = [], 0
+        for i, end in enumerate(offs.tolist()):
+            out.append(a[start:end] @ w[i].t())
+            start = end
+        return torch.cat(out)
+
+    h = torch.nn.functional.silu(mm(xq, wq["w1"])) * mm(xq, wq["w3"])
+    hq = fake_quantize(h.detach(), A).requires_grad_()
+    ref = mm(hq, wq["w2"])
+    ref.backward(dy)
+    h.backward(hq.grad)
+    assert torch.equal(y.detach(), ref.detach())
+    assert torch.equal(xi.grad, xq.grad)
+    for n in ("w1", "w3", "w2"):
+        assert torch.equal(getattr(e, n).grad, wq[n].grad), n
+
+
+def test_shared_activation_is_never_stale():
+    """A changed tensor (in-place write), another recipe or another grad mode is quantized anew;
+    the slot never keeps an output alive past its input."""
+    import gc
+
+    import workbench.qat.grouped as qg
+
+    x = torch.randn(8, 64).bfloat16()
+    a = qg._shared_act_fq(x, A)
+    assert qg._shared_act_fq(x, A) is a
+    x.mul_(2.0)
+    b = qg._shared_act_fq(x, A)
+    assert b is not a and torch.equal(b, fake_quantize(x, A))
+    assert qg._shared_act_fq(x, parse_recipe("mxfp8_e5m2")) is not b
+    leaf = x.clone().requires_grad_()
+    act = leaf * 1  # a non-leaf, as the experts' input always is
+    with torch.no_grad():
+        c = qg._shared_act_fq(act, A)
+    d = qg._shared_act_fq(act, A)
+    assert d is not c and d.grad_fn is not None
+    del x, a, b, c, d, act
+    gc.collect()
+    assert qg._LAST_ACT == []

@@ -15,13 +15,21 @@ STEs: the deployed model runs Q(w) and Q(x), so their gradients are taken at the
 point; quantizing dy (as real MX training recipes do, along other axes) would emulate a
 low-precision *training* backward, which fake-quant QAT for low-precision *inference* does not
 aim at.
+
+A SwiGLU expert multiplies the same activations by w1 and by w3: the second call reuses the first
+call's fake-quantized activations (`_shared_act_fq`) instead of quantizing the same tensor
+again, one full read and write of the activations less per layer. Both GEMMs then hang off one
+STE node, whose two incoming gradients autograd sums before they pass to x: the same sum, in the
+same order, as when each STE passed its own gradient to x.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from workbench.formats import parse_recipe
+from workbench.formats import Recipe, parse_recipe
 from workbench.model import grouped as plain
 from workbench.qat.ste import fake_quant_ste
 
@@ -36,5 +44,39 @@ def grouped_mm(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor, *,
     if weight is not None:
         w_EOI = fake_quant_ste(w_EOI, parse_recipe(weight), per_leading=True)
     if act is not None:
-        x_TI = fake_quant_ste(x_TI, parse_recipe(act))
+        x_TI = _shared_act_fq(x_TI, parse_recipe(act))
     return plain.grouped_mm(x_TI, w_EOI, offs)
+
+
+# The last activation quantized: (weakref to x, x's signature, recipe, grad mode, the output).
+# One slot is enough: w1 and w3 take the same x back to back. The output is held strongly but
+# only while x lives (a finalizer on x empties the slot), so it never outlives its input. (The
+# experts' input is never a leaf; a leaf x that requires grad is kept alive by the output's graph,
+# so there the slot lasts until the next activation is quantized: one tensor at most.)
+_LAST_ACT: list[tuple] = []
+
+
+def _act_signature(x: torch.Tensor) -> tuple:
+    return (x._version, x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
+
+
+def _clear_slot(ref: weakref.ref) -> None:
+    if _LAST_ACT and _LAST_ACT[0][0] is ref:
+        _LAST_ACT.clear()
+
+
+def _shared_act_fq(x: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    """`fake_quant_ste(x, recipe)`, reused for the same tensor, unchanged (same version), the
+    same recipe and the same grad mode (an output made under no_grad has no graph to reuse)."""
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        return fake_quant_ste(x, recipe)
+    sig = (_act_signature(x), recipe, torch.is_grad_enabled())
+    if _LAST_ACT:
+        ref, last_sig, out = _LAST_ACT[0]
+        if ref() is x and last_sig == sig:
+            return out
+    out = fake_quant_ste(x, recipe)
+    ref = weakref.ref(x)
+    _LAST_ACT[:] = [(ref, sig, out)]
+    weakref.finalize(x, _clear_slot, ref)
+    return out
