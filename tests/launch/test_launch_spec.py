@@ -49,8 +49,10 @@ def test_bad_specs_raise_typed_errors(kwargs, words):
 
 
 def test_trainer_argv_parses_back_to_the_spec(tmp_path):
+    (tmp_path / "ck").mkdir()
     s = LaunchSpec(preset="small", recipe="mxfp4+mxfp8", profile="floor", steps=7, seed=5,
-                   wandb="disabled", run_group="g1", ckpt_every=3, init="/ck", export="bf16",
+                   wandb="disabled", run_group="g1", ckpt_every=3, init=tmp_path / "ck",
+                   export="bf16",
                    trainer_args=("--x", "1"))
     p = argparse.ArgumentParser()  # the trainer's documented flags, as an independent reader
     for flag in ("--preset", "--recipe", "--out", "--wandb", "--run-group", "--init", "--profile",
@@ -65,7 +67,7 @@ def test_trainer_argv_parses_back_to_the_spec(tmp_path):
         "small", "mxfp4+mxfp8", "floor", 7, 5)
     assert args.export == "bf16"
     assert (args.out, args.wandb, args.run_group, args.init, args.ckpt_every) == (
-        str(tmp_path), "disabled", "g1", "/ck", 3)
+        str(tmp_path), "disabled", "g1", str(tmp_path / "ck"), 3)
     assert rest == ["--x", "1"]
 
 
@@ -124,3 +126,46 @@ def test_launch_choices_are_the_trainers():
     from workbench.train import config
 
     assert (spec.EXPORTS, spec.WANDB_MODES) == (config.EXPORTS, config.WANDB_MODES)
+
+
+def test_a_real_checkpoint_run_reaches_the_trainer_as_flags(tmp_path, monkeypatch):
+    """preset=None + init: the model comes from the checkpoint; data, val_data, tokenizer and
+    distill become the trainer's flags, with local paths made absolute."""
+    from workbench.train import cli
+
+    for name in ("ckpt", "tok", "docs"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "train.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "val.jsonl").write_text('{"text": "y"}\n')
+    monkeypatch.chdir(tmp_path)
+    s = LaunchSpec(preset=None, init="ckpt", recipe="mxfp4", steps=3, wandb="disabled",
+                   data=["train.jsonl", "docs", "hf:org/name:cfg:train"], val_data=["val.jsonl"],
+                   tokenizer="tok", distill=True)
+    assert s.name.startswith("ckpt-mxfp4-ep1")
+    cfg = cli.config_from_args(s.trainer_argv(tmp_path / "out"))
+    assert cfg.preset is None and cfg.init == str(tmp_path / "ckpt") and cfg.distill
+    assert cfg.data == (str(tmp_path / "train.jsonl"), str(tmp_path / "docs"),
+                        "hf:org/name:cfg:train")
+    assert cfg.val_data == (str(tmp_path / "val.jsonl"),)
+    assert cfg.tokenizer == str(tmp_path / "tok")
+    assert LaunchSpec.from_json(s.to_json()) == s
+    # the default spec passes none of these flags
+    plain = LaunchSpec().trainer_argv(tmp_path / "o")
+    assert not {"--data", "--val-data", "--tokenizer", "--distill", "--init"} & set(plain)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"preset": None}, "give init"),
+    ({"distill": True}, "give init"),
+    ({"distill": "yes", "init": "."}, "distill must be a bool"),
+    ({"data": "train.jsonl"}, "not one string"),
+    ({"data": ["missing.jsonl"]}, "data 'missing.jsonl' does not exist"),
+    ({"data": ["."], "val_data": ["nope"]}, "val_data 'nope' does not exist"),
+    ({"val_data": ["."]}, "val_data needs data"),
+    ({"init": "no-such-ckpt"}, "init 'no-such-ckpt' does not exist"),
+    ({"tokenizer": "hf:org/tok"}, "tokenizer 'hf:org/tok' does not exist"),
+])
+def test_bad_real_data_specs_fail_at_construction(kwargs, words, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LaunchSpecError, match=words):
+        LaunchSpec(**kwargs)

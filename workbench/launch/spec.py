@@ -34,6 +34,26 @@ class LaunchSpecError(ValueError):
     """A launch spec that cannot describe a valid job."""
 
 
+_NAME_SAFE = re.compile(r"[^A-Za-z0-9_.+\-]")
+
+
+def _source(value: object, what: str, *, hub: bool = True) -> str:
+    """A data/model source for the job's command line: `hf:NAME...` as given (the trainer parses
+    it), else a local path made absolute, which must exist now (a typo fails here, not in the
+    job). The job runs elsewhere but sees the same shared file system."""
+    if not isinstance(value, (str, Path)) or not str(value):
+        raise LaunchSpecError(f"LaunchSpec: {what} must be a path or 'hf:NAME', got {value!r}")
+    text = str(value)
+    if hub and text.startswith("hf:"):
+        return text
+    if any(c in text for c in "\n\r\0"):
+        raise LaunchSpecError(f"LaunchSpec: {what} must be one line, got {text!r}")
+    path = Path(text).expanduser().resolve()
+    if not path.exists():
+        raise LaunchSpecError(f"LaunchSpec: {what} {text!r} does not exist")
+    return str(path)
+
+
 def _frozen_str_map(value: Mapping[str, object] | None, what: str) -> Mapping[str, str]:
     value = {} if value is None else value
     if not isinstance(value, Mapping):
@@ -66,9 +86,15 @@ class LaunchSpec:
     may send it up to a minute earlier); it then requeues, at most `max_requeues` times.
     `deterministic` passes `--deterministic` to the trainer and puts the cuBLAS workspace setting
     in every rank's environment (docs/determinism.md).
+
+    A real checkpoint (docs/real-checkpoint.md): `preset=None` with `init=CKPT` builds the model
+    from `CKPT/config.json` and tokenizes with the checkpoint's tokenizer (`tokenizer` overrides
+    it); `data` and `val_data` (sequences of sources) are the trainer's `--data`/`--val-data`
+    (files or folders, made absolute here and checked to exist, or `hf:NAME[:CONFIG][:SPLIT]`);
+    `distill` adds the frozen `init` model as teacher.
     """
 
-    preset: str = "tiny"
+    preset: str | None = "tiny"
     recipe: str = "bf16"
     steps: int = 20
     ep: int = 1
@@ -99,6 +125,10 @@ class LaunchSpec:
     activation_checkpointing: str = "off"
     gpu_mem_gib: float = 141.0  # per GPU, for the memory check (H200: 141)
     skip_memory_check: bool = False
+    data: tuple[str, ...] = ()
+    val_data: tuple[str, ...] = ()
+    tokenizer: str | None = None
+    distill: bool = False
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -120,8 +150,27 @@ class LaunchSpec:
             bad(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.wandb not in WANDB_MODES:
             bad(f"wandb must be one of {WANDB_MODES}, got {self.wandb!r}")
-        if not isinstance(self.preset, str) or not _NAME.match(self.preset):
-            bad(f"preset must be a non-empty name like 'tiny', got {self.preset!r}")
+        if self.preset is None:
+            if not self.init:
+                bad("preset=None builds the model from a checkpoint's config.json: give init=CKPT")
+        elif not isinstance(self.preset, str) or not _NAME.match(self.preset):
+            bad(f"preset must be a non-empty name like 'tiny' (or None with init), "
+                f"got {self.preset!r}")
+        if not isinstance(self.distill, bool):
+            bad(f"distill must be a bool, got {self.distill!r}")
+        if self.distill and not self.init:
+            bad("distill=True distils from the frozen init model: give init=CKPT")
+        for name in ("data", "val_data"):
+            v = getattr(self, name)
+            if isinstance(v, (str, bytes, Path)):
+                bad(f"{name} must be a sequence of sources (files, folders or hf:NAME), "
+                    "not one string")
+            object.__setattr__(self, name, tuple(_source(d, name) for d in v))
+        if self.val_data and not self.data:
+            bad("val_data needs data (the byte corpus has its own validation split)")
+        for name in ("tokenizer", "init"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _source(getattr(self, name), name, hub=False))
         if self.profile is not None and (not isinstance(self.profile, str)
                                          or not _NAME.match(self.profile)):
             bad(f"profile must be a name like 'floor', got {self.profile!r}")
@@ -187,17 +236,27 @@ class LaunchSpec:
         """A short, filesystem-safe run name used for default folders and Slurm job names."""
         recipe = self.recipe if self.profile is None else f"{self.recipe}-{self.profile}"
         recipe = recipe.replace(":", "-")  # "mxfp4:floor": no ':' in folder or job names
-        parts = [self.preset, recipe, f"ep{self.ep}", f"s{self.seed}"]
+        model = self.preset if self.preset is not None else _NAME_SAFE.sub("_", Path(self.init).name)
+        parts = [model, recipe, f"ep{self.ep}", f"s{self.seed}"]
         return "-".join(parts)
 
     def trainer_argv(self, out_dir: str | Path) -> list[str]:
         """The workbench trainer's command line (`jobs/qat.py` flags) for this spec."""
-        argv = ["--preset", self.preset, "--recipe", self.recipe, "--steps", str(self.steps),
-                "--out", str(out_dir), "--seed", str(self.seed), "--wandb", self.wandb]
+        argv = (["--preset", self.preset] if self.preset is not None else []) + [
+            "--recipe", self.recipe, "--steps", str(self.steps),
+            "--out", str(out_dir), "--seed", str(self.seed), "--wandb", self.wandb]
         if self.run_group:
             argv += ["--run-group", self.run_group]
         if self.init:
             argv += ["--init", str(self.init)]
+        if self.tokenizer:
+            argv += ["--tokenizer", self.tokenizer]
+        for source in self.data:
+            argv += ["--data", source]
+        for source in self.val_data:
+            argv += ["--val-data", source]
+        if self.distill:
+            argv += ["--distill"]
         if self.ckpt_every:
             argv += ["--ckpt-every", str(self.ckpt_every)]
         if self.profile:
@@ -215,6 +274,7 @@ class LaunchSpec:
         d["sbatch"] = dict(self.sbatch)
         d["env"] = dict(self.env)
         d["trainer_args"] = list(self.trainer_args)
+        d["data"], d["val_data"] = list(self.data), list(self.val_data)
         d["pythonpath"] = list(self.pythonpath)
         return d
 
@@ -225,7 +285,7 @@ class LaunchSpec:
         if unknown:
             raise LaunchSpecError(f"LaunchSpec.from_json: unknown fields {unknown}")
         d = dict(d)
-        for k in ("trainer_args", "pythonpath"):
+        for k in ("trainer_args", "pythonpath", "data", "val_data"):
             if k in d:
                 d[k] = tuple(d[k])
         return cls(**d)
