@@ -54,6 +54,9 @@ def main(argv=None) -> None:
     ap.add_argument("--recipes", default="bf16,mxfp4,mxfp4+mxfp8,nvfp4,nvfp4+mxfp8")
     ap.add_argument("--profile", action="store_true",
                     help="after timing, print where one step's GPU time goes (torch.profiler)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="after timing, a table of GPU kernel time per step by kind (grouped GEMM, "
+                         "fake quantization, the rest), summed over a few profiled steps")
     args = ap.parse_args(argv)
     if args.k3:
         args.hidden, args.ffn, args.tokens_per_expert = 3584, 3072, 4096
@@ -109,12 +112,54 @@ def main(argv=None) -> None:
     if args.profile and dev == "cuda":
         for recipe, step in steps.items():
             _profile(step, recipe)
+    breakdown = _breakdown(steps) if args.breakdown and dev == "cuda" else None
     if os.environ.get("OUT"):
         meta = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                 "torch": torch_ver, "E": E, "D": D, "F": F, "tokens_per_expert": n,
                 "iters": args.iters}
         Path(os.environ["OUT"], "bench_qat_moe.json").write_text(
-            json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+            json.dumps({"meta": meta, "rows": rows, "breakdown": breakdown}, indent=1) + "\n")
+
+
+# Kernel names by kind: the CUTLASS grouped GEMM behind torch._grouped_mm, and our Triton
+# fake-quant kernels (workbench/kernels: mx_kernel, nvfp4_kernel, amax_kernel).
+_FQ_KERNELS = ("mx_kernel", "nvfp4_kernel", "amax_kernel")
+
+
+def _kind(name: str) -> str:
+    if any(k in name for k in _FQ_KERNELS):
+        return "fake quant"
+    if "cutlass" in name or "grouped" in name.lower() or "gemm" in name.lower():
+        return "grouped GEMM"
+    return "other"
+
+
+def _breakdown(steps, reps: int = 5) -> dict:
+    """GPU kernel time per step by kind, from torch.profiler's device events (kernels only, so
+    the sums add up to the GPU's busy time; host gaps are not in it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    print(f"GPU kernel time per step (mean of {reps} profiled steps), ms:")
+    print(f"{'recipe':<26}{'grouped GEMM':>14}{'fake quant':>12}{'other':>8}{'sum':>8}")
+    for recipe, step in steps.items():
+        step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                step()
+            torch.cuda.synchronize()
+        sums = {"grouped GEMM": 0.0, "fake quant": 0.0, "other": 0.0}
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                dt = getattr(ev, "device_time", None)
+                if dt is None:
+                    dt = ev.cuda_time
+                sums[_kind(ev.name)] += dt / 1e3 / reps  # us -> ms
+        out[recipe] = sums
+        print(f"{recipe:<26}{sums['grouped GEMM']:>14.3f}{sums['fake quant']:>12.3f}"
+              f"{sums['other']:>8.3f}{sum(sums.values()):>8.3f}", flush=True)
+    return out
 
 
 def _profile(step, recipe: str) -> None:
