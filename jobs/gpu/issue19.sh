@@ -24,7 +24,7 @@ PY=${PYTHON:-python3}
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 WANDB_MODE=disabled
 STAGES=${STAGES:-tests,moe,train,ep2}
-MOE_ARGS=(--k3 --iters 30); TRAIN=(${TRAIN_ARGS:-}); EP1=(); TESTS_T=90
+MOE_ARGS=(--k3 --iters 30 --breakdown); TRAIN=(${TRAIN_ARGS:-}); EP1=(); TESTS_T=90
 if [ "${DRY_RUN:-}" = cpu ]; then
   MOE_ARGS=(--experts 4 --hidden 128 --ffn 64 --tokens-per-expert 32 --iters 2)
   TRAIN=(--preset tiny --steps 4 --warmup 1 --batch 4 --seq 32 ${TRAIN_ARGS:-})
