@@ -69,3 +69,35 @@ def test_ste_dispatch_uses_triton_and_matches_reference(caplog):
     x = torch.randn(256, 512, dtype=torch.bfloat16)
     r = F.parse_recipe("mxfp8_e4m3")
     assert_same_bits(_fq(x.cuda(), r, 0, False).cpu(), fake_quant_reference(x, r, dim=0), "dim 0")
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp4+mxfp8", "nvfp4", "nvfp4+mxfp8"])
+def test_expert_layer_never_waits_for_the_host(recipe):
+    """With the routed row count given (as the dispatchers give it), a prepared expert layer's
+    forward and backward run without one host-device sync (CUDA's sync debug mode raises on
+    any), and give the same output as the syncing call."""
+    from torch import nn
+
+    from workbench.model.experts import GroupedExperts
+    from workbench.qat import prepare
+    from workbench.scope import QuantScope
+
+    torch.manual_seed(0)
+    m = nn.Module()
+    m.experts = GroupedExperts(4, 256, 128, device="cuda", dtype=torch.bfloat16)
+    for p in m.parameters():
+        nn.init.normal_(p, std=0.05)
+    if recipe != "bf16":
+        prepare(m, recipe, QuantScope.from_patterns(["re:experts$"]))
+    offs = torch.tensor([64, 64, 200, 256], dtype=torch.int32, device="cuda")
+    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ref = m.experts(x, offs).detach()  # warm-up: autotuning, allocations, the amax cache
+    m.experts(x, offs, end=256).sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = m.experts(x, offs, end=256)
+        y.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(y.detach(), ref)

@@ -57,3 +57,32 @@ def test_rejects_bad_offsets(offs, err):
     with pytest.raises((ValueError, TypeError), match=err):
         grouped_mm(torch.zeros(10, 8), torch.zeros(3, 4, 8), offs)
 
+
+
+@pytest.mark.parametrize("end, err", [(9, "offs ends at 10"), (11, "outside the 10 rows"),
+                                      (-1, "outside the 10 rows")])
+def test_a_wrong_end_is_refused(end, err):
+    with pytest.raises(ValueError, match=err):
+        grouped_mm(torch.zeros(10, 8), torch.zeros(3, 4, 8),
+                   torch.tensor([3, 5, 10], dtype=torch.int32), end=end)
+
+
+def test_dispatchers_pass_the_routed_row_count_as_end():
+    """The experts' GEMMs get end = offs[-1] = the rows they see, so on CUDA they never read
+    offs on the host (workbench.model.grouped)."""
+    from workbench.model import MoEForCausalLM, preset
+    from workbench.model import grouped as plain
+
+    model = MoEForCausalLM(preset("tiny"), seed=0)
+    seen = []
+
+    def spy(x, w, offs, *, end=None):
+        seen.append((end, int(offs[-1]), x.shape[0]))
+        return plain.grouped_mm(x, w, offs, end=end)
+
+    for m in model.modules():
+        if hasattr(m, "grouped_mm") and hasattr(m, "w1"):
+            m.grouped_mm = spy
+    tok = torch.randint(0, model.config.vocab_size, (2, 16))
+    model(tok, labels_BS=tok).loss.backward()
+    assert seen and all(e == last == rows for e, last, rows in seen), seen

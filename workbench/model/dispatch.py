@@ -106,7 +106,9 @@ class LocalDispatcher:
         order_A, token_A, counts_E = _sort_assignments(experts_TK, experts.num_experts)
         slots_TK = _slots(order_A, experts_TK.shape[1])
         offs_E = counts_E.cumsum(0).to(torch.int32)
-        y_AD = experts(_gather_tokens(x_TD, token_A, slots_TK), offs_E)
+        x_AD = _gather_tokens(x_TD, token_A, slots_TK)
+        # every assignment is routed: the counts sum to the gathered rows
+        y_AD = experts(x_AD, offs_E, end=x_AD.shape[0])
         return _combine(x_TD, y_AD, weights_TK, order_A, token_A, slots_TK)
 
     def __repr__(self) -> str:
@@ -152,7 +154,8 @@ class AllToAllDispatcher:
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(perm.numel(), device=perm.device)
         offs_L = recv_RL.sum(0).cumsum(0).to(torch.int32)
-        y_recv = experts(x_recv[perm], offs_L)[inverse]
+        # the received counts sum to the received rows
+        y_recv = experts(x_recv[perm], offs_L, end=x_recv.shape[0])[inverse]
 
         y_AD = all_to_all(y_recv, in_splits, out_splits, self.group)
         return _combine(x_TD, y_AD, weights_TK, order_A, token_A, slots_TK)

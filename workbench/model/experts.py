@@ -37,9 +37,13 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, ffn, **kw))
         self.grouped_mm = grouped_mm
 
-    def forward(self, x_TD: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-        h_TF = F.silu(self.grouped_mm(x_TD, self.w1, offs_E)) * self.grouped_mm(x_TD, self.w3, offs_E)
-        return self.grouped_mm(h_TF, self.w2, offs_E)
+    def forward(self, x_TD: torch.Tensor, offs_E: torch.Tensor, *,
+                end: int | None = None) -> torch.Tensor:
+        """`end`: offs_E[-1] when the caller knows it on the host (the dispatchers do), so the
+        grouped GEMMs never wait for the GPU (`workbench.model.grouped`)."""
+        mm = self.grouped_mm
+        h_TF = F.silu(mm(x_TD, self.w1, offs_E, end=end)) * mm(x_TD, self.w3, offs_E, end=end)
+        return mm(h_TF, self.w2, offs_E, end=end)
 
     @torch.no_grad()
     def narrow_(self, expert_offset: int, num_experts: int) -> None:

@@ -8,6 +8,15 @@ Rows at or past offs[-1] are outputs of no expert: they are zero here.
 
 The model owns this function; `workbench.qat` swaps the experts' `grouped_mm` attribute from
 outside for one that fake-quantizes the operands and then calls this one.
+
+`end`: offs[-1], when the caller knows it on the host. The dispatchers do: offs is the cumsum of
+the routed counts and they pass exactly the routed rows, so it is the row count. Given, the CUDA
+path never reads offs on the host, and the host never waits for the GPU in the layer: without it,
+each call's `offs.tolist()` drained the queue, so every kernel after it (the next fake
+quantization, the next GEMM) started only after the host had launched it, measured as ~1.4 ms of
+idle GPU in a 10.9 ms K3-sized expert layer step on an H200 (`jobs/bench_qat_moe.py
+--breakdown`). A wrong `end` is caught on the device (`torch._assert_async`), and on CPU, where
+the offsets are read and validated anyway, by a ValueError.
 """
 
 from __future__ import annotations
@@ -44,10 +53,23 @@ def _ends(x_TI: torch.Tensor, offs_E: torch.Tensor) -> list[int]:
     return ends
 
 
-def grouped_mm(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Per-expert `x[rows of e] @ w[e].T`; differentiable in x and w; empty groups allowed."""
+def grouped_mm(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor, *,
+               end: int | None = None) -> torch.Tensor:
+    """Per-expert `x[rows of e] @ w[e].T`; differentiable in x and w; empty groups allowed.
+    `end`: offs[-1] if the caller knows it (see the module doc)."""
     check(x_TI, w_EOI, offs)
+    if end is not None and not 0 <= end <= x_TI.shape[0]:
+        raise ValueError(f"grouped_mm end={end} is outside the {x_TI.shape[0]} rows of x")
+    if x_TI.is_cuda and end is not None:
+        dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        xc, wc = (x_TI.to(dt), w_EOI.to(dt)) if dt is not None else (x_TI, w_EOI)
+        if fast.usable(xc, wc, end):
+            if w_EOI.shape[0]:
+                torch._assert_async(offs[-1] == end, "grouped_mm: offs[-1] != end")
+            return fast.grouped_mm_cuda(xc, wc, offs, end)
     ends = _ends(x_TI, offs)
+    if end is not None and (ends[-1] if ends else 0) != end:
+        raise ValueError(f"grouped_mm end={end} but offs ends at {ends[-1] if ends else 0}")
     if x_TI.is_cuda:
         if torch.is_autocast_enabled("cuda"):
             # fp32 masters under bf16 autocast: cast as autocast would for a matmul (after fake

@@ -35,9 +35,10 @@ from workbench.qat.ste import fake_quant_ste
 
 
 def grouped_mm(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor, *,
-               weight: object = None, act: object = None) -> torch.Tensor:
+               weight: object = None, act: object = None, end: int | None = None) -> torch.Tensor:
     """`workbench.model.grouped.grouped_mm` on fake-quantized operands: the weights per expert
-    along I (``weight``), the activations in blocks along I (``act``); either may be None."""
+    along I (``weight``), the activations in blocks along I (``act``); either may be None.
+    ``end``: offs[-1] when the caller knows it (no host wait, see the plain function)."""
     plain.check(x_TI, w_EOI, offs)  # shape errors name grouped_mm, before fake quantization
     # Fake quantization is queued before the plain GEMM reads the group ends on the host (on
     # CUDA that read waits for the GPU), so the launches run while the host waits.
@@ -45,7 +46,7 @@ def grouped_mm(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor, *,
         w_EOI = fake_quant_ste(w_EOI, parse_recipe(weight), per_leading=True)
     if act is not None:
         x_TI = _shared_act_fq(x_TI, parse_recipe(act))
-    return plain.grouped_mm(x_TI, w_EOI, offs)
+    return plain.grouped_mm(x_TI, w_EOI, offs, end=end)
 
 
 # The last activation quantized: (weakref to x, x's signature, recipe, grad mode, the output).

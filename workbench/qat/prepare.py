@@ -74,10 +74,11 @@ class GroupedSeam:
         self.weights = weights
         self.act = act
 
-    def __call__(self, x_TD: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x_TD: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor, *,
+                 end: int | None = None) -> torch.Tensor:
         for p, recipe in self.weights:
             if p is w_EOI:
-                return grouped_mm(x_TD, w_EOI, offs, weight=recipe, act=self.act)
+                return grouped_mm(x_TD, w_EOI, offs, weight=recipe, act=self.act, end=end)
         raise RuntimeError(f"grouped_mm got a weight of shape {tuple(w_EOI.shape)} that prepare()"
                            " never saw; was a parameter replaced after prepare?")
 
