@@ -25,7 +25,7 @@ package_graph, report = import_graph.package_graph, import_graph.report
 
 # Lowest first. "workbench" is the root package (docstring only).
 LAYERS = [
-    "workbench", "recipe", "formats", "kernels", "scope", "checkpoint", "model", "qat", "analysis",
+    "workbench", "_io", "recipe", "formats", "kernels", "scope", "checkpoint", "model", "qat", "analysis",
     "plots", "train", "track", "launch", "report", "compare_cli", "demo", "cli",
 ]
 

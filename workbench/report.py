@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from workbench import plots
+from workbench._io import atomic_open
 from workbench.analysis import expert_detail, reference_detail
 from workbench.analysis.compare import CompareResult
 from workbench.analysis.inspect import InspectResult
@@ -80,9 +81,8 @@ def save_figures(figures: dict, out: str | os.PathLike, *, dpi: int = 110) -> li
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for stem, fig in figures.items():
-        tmp = out / f".{stem}.png.tmp"
-        fig.savefig(tmp, dpi=dpi, format="png")
-        os.replace(tmp, out / f"{stem}.png")
+        with atomic_open(out / f"{stem}.png", "wb") as f:
+            fig.savefig(f, dpi=dpi, format="png")
         paths.append(out / f"{stem}.png")
     return paths
 

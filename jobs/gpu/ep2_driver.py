@@ -73,9 +73,9 @@ def _peak_rss_gib() -> float:
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
+    from workbench._io import atomic_write_json  # REPO joins sys.path above, at run time
+
+    atomic_write_json(path, obj, default=str)
 
 
 # --- env ---------------------------------------------------------------------------------

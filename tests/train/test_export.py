@@ -416,7 +416,8 @@ def test_transformers_reload_matches_targets_and_ignore(trained, recipe, caplog,
     shapes = {}
     for shard in sorted(set(index["weight_map"].values())):
         with safe_open(str(path / shard), "pt") as f:
-            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+            names = f.keys()  # safe_open is no dict: `in f` does not iterate its names
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in names})
     packed = {k.rpartition(".")[0] for k in shapes if k.endswith(".weight_packed")}
     assert packed  # every expert projection of every layer
     with caplog.at_level(logging.WARNING, logger="compressed_tensors"):

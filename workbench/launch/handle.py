@@ -18,6 +18,8 @@ import time
 import warnings
 from pathlib import Path
 
+from workbench._io import atomic_write_json
+
 from .spec import LaunchSpec
 
 LAUNCH_FILE = "launch.json"
@@ -55,10 +57,8 @@ def index_dir() -> Path:
 
 
 def write_json_atomic(path: Path, obj: object) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    os.replace(tmp, path)
+    path.parent.mkdir(parents=True, exist_ok=True)  # the index folder may not exist yet
+    atomic_write_json(path, obj, default=str)
 
 
 def _run(cmd: list[str], timeout: float = 30) -> str:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from workbench._io import atomic_write_json, fsync_path
 from workbench.formats import quantize
 from workbench.model.config import to_hf_config
 from workbench.model.experts import GroupedExperts
@@ -227,15 +228,6 @@ def _hf_config(model: nn.Module) -> dict:
     return cfg
 
 
-def fsync_path(path: Path) -> None:
-    """fsync a file or a folder (a folder's fsync makes the renames inside it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def recover_swap(out_dir: str | Path) -> None:
     """Undo what a crash left of an earlier export's swap (`out_dir` -> `.old-*`, `.tmp-*` ->
     `out_dir`, remove `.old-*`), so the next swap cannot fail on a leftover `.old-*`:
@@ -318,10 +310,7 @@ def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
         index = {"metadata": {"total_size": sum(n for _, _, n in entries)},
                  "weight_map": dict(sorted(weight_map.items()))}
         for name, obj in ((INDEX_FILE, index), ("config.json", hf_cfg)):
-            with open(tmp / name, "w") as f:
-                json.dump(obj, f, indent=2, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
+            atomic_write_json(tmp / name, obj, indent=2, sort_keys=True)
         old = out_dir.parent / f".old-{out_dir.name}"
         recover_swap(out_dir)
         if out_dir.exists():

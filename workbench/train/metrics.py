@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import warnings
 from pathlib import Path
 from typing import Any
+
+from workbench._io import atomic_open
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -94,9 +95,5 @@ def truncate_metrics(out: str | Path, step: int) -> None:
     if not path.is_file():
         return
     keep = [r for r in read_metrics(out) if r["step"] <= step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_open(path) as f:
         f.writelines(json.dumps(r) + "\n" for r in keep)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
