@@ -283,10 +283,10 @@ def _alive(pid: int) -> bool:
 
 
 def _last_step(out: Path) -> int:
-    from workbench.train.metrics import read_metrics
+    from workbench.track.metrics import read_metrics
 
-    rows = read_metrics(out)
-    return int(rows[-1]["step"]) if rows else 0
+    df = read_metrics(out, missing_ok=True)
+    return int(df["step"].iloc[-1]) if len(df) else 0
 
 
 def cmd_kill_at(args) -> dict:

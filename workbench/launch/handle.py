@@ -315,10 +315,11 @@ class JobHandle:
 
     def metrics(self):
         """The run's metrics.jsonl as a DataFrame, one row per step (the last entry of a step wins,
-        so a resumed run that re-logged steps shows one continuous curve)."""
-        from .metrics import read_metrics
+        so a resumed run that re-logged steps shows one continuous curve); before the first
+        step is logged, an empty frame. `workbench.track.read_metrics` is the reader."""
+        from workbench.track.metrics import read_metrics  # pandas: only when asked
 
-        return read_metrics(self.folder)
+        return read_metrics(self.folder, missing_ok=True)
 
     def result(self, timeout: float | None = None) -> object:
         """Wait, then return rank 0's return value (the trainer's result dict)."""

@@ -1,4 +1,7 @@
-"""`DIR/metrics.jsonl`: one JSON object per step, appended by rank 0, truncated on resume."""
+"""`DIR/metrics.jsonl`: one JSON object per step, appended by rank 0, truncated on resume.
+
+The trainer's side: the writer, the line rule and the resume truncation. Readers (notebooks,
+job handles, reports) use `workbench.track.read_metrics`, which parses with the same rule."""
 
 from __future__ import annotations
 
@@ -81,19 +84,11 @@ class MetricsWriter:
         self._f.close()
 
 
-def read_metrics(out: str | Path) -> list[dict[str, Any]]:
-    """Every complete, valid line (see parse_metrics_lines); a torn last line is skipped."""
-    path = Path(out) / METRICS_FILE
-    if not path.is_file():
-        return []
-    return parse_metrics_lines(path)
-
-
 def truncate_metrics(out: str | Path, step: int) -> None:
     """Keep rows with step <= `step` (atomic rewrite), so a resumed curve has no duplicates."""
     path = Path(out) / METRICS_FILE
     if not path.is_file():
         return
-    keep = [r for r in read_metrics(out) if r["step"] <= step]
+    keep = [r for r in parse_metrics_lines(path) if r["step"] <= step]
     with atomic_open(path) as f:
         f.writelines(json.dumps(r) + "\n" for r in keep)
