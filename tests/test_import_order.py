@@ -86,7 +86,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("workbench.train.datasets", "workbench.train.data"): DEBT,
     ("workbench.train.distill", "workbench.train.build"): DEBT,
     ("workbench.train.distill", "workbench.train.init"): DEBT,
-    ("workbench.train.fqtime", "workbench.qat"): "monkeypatches qat.ste; needs a real timing seam in qat (left)",
     ("workbench.train.loop", "workbench.model"): DEBT,
 }
 
