@@ -30,6 +30,8 @@ import torch
 
 from workbench._io import atomic_write_bytes, atomic_write_json
 
+__all__ = ["DemoCheckpoint", "default_root", "demo_checkpoint", "runs_dir"]
+
 PRESET = "small"
 REPO = Path(__file__).resolve().parents[1]
 
