@@ -211,6 +211,8 @@ def ct_targets_ignore(scope, shapes: Mapping[str, tuple[int, ...]], packed_modul
     # the router gate first, as llm-compressor's MoE examples list it
     ignore = CT_ALWAYS_IGNORE + sorted(dense, key=lambda p: (not p.endswith("mlp.gate$"), p))
     check = QuantScope.from_patterns(CT_TARGETS, ignore, label="export")
+    # a tied head has no tensor on disk, but transformers builds the Linear: check it too (the
+    # 2-D stand-in shape only tells the matcher it is a matrix)
     lm_head = {"lm_head.weight": (2, 2)} if "lm_head.weight" not in linears else {}
     for name, shape in {**linears, **lm_head}.items():
         module = name.rpartition(".")[0]
