@@ -163,9 +163,9 @@ def _marker(cfg: BenchConfig) -> dict:
 
 
 def _atomic_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
+    from workbench._io import atomic_write_json  # the repo's one atomic writer
+
+    atomic_write_json(path, obj, indent=2)
 
 
 # -- page cache control and measurement ---------------------------------------------------

@@ -28,6 +28,10 @@ from pathlib import Path
 
 import torch
 
+from workbench._io import atomic_write_bytes, atomic_write_json
+
+__all__ = ["DemoCheckpoint", "default_root", "demo_checkpoint", "runs_dir"]
+
 PRESET = "small"
 REPO = Path(__file__).resolve().parents[1]
 
@@ -99,7 +103,7 @@ def _write_tokenizer_and_text(init: Path, data: Path) -> dict[str, Path]:
     paths = {}
     for split in ("train", "val"):
         paths[split] = data / f"{split}.txt"
-        paths[split].write_bytes(bytes(corpus.split(split).numpy()))
+        atomic_write_bytes(paths[split], bytes(corpus.split(split).numpy()))
     text = paths["train"].read_text(encoding="utf-8")
     train_bpe([text[i:i + 10_000] for i in range(0, min(len(text), 2_000_000), 10_000)], init,
               vocab_size=256, byte_level=False)
@@ -155,5 +159,5 @@ def demo_checkpoint(root: str | os.PathLike | None = None, *, steps: int = 24, s
              "--ckpt-every", str(steps), "--init", str(d.init), "--out", str(d.run),
              "--export", "bf16", "--wandb", "disabled",
              "--data", str(data["train"]), "--val-data", str(data["val"])], d.packed)
-    stamp.write_text(json.dumps(want))
+    atomic_write_json(stamp, want)
     return d

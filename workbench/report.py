@@ -13,15 +13,20 @@ from pathlib import Path
 import numpy as np
 
 from workbench import plots
+from workbench._io import atomic_open
 from workbench.analysis import expert_detail, reference_detail
 from workbench.analysis.compare import CompareResult
 from workbench.analysis.inspect import InspectResult
 from workbench.checkpoint import open_checkpoint
 from workbench.checkpoint.grid import stored_grid
-from workbench.plots import compare as cplots
 from workbench.track import load_runs
 from workbench.track.compare import pick_baseline
 from workbench.track.experts import export_path, group_weight_recipes
+
+__all__ = [
+    "compare_figures", "exact_recipes", "expert_picker", "group_sides", "inspect_figures",
+    "lossless_lines", "picker_choices", "save_figures", "write_compare_report",
+]
 
 
 def exact_recipes(df, metric: str = "rel_err", kind: str = "routed") -> list[str]:
@@ -50,15 +55,15 @@ def inspect_figures(result: InspectResult, metric: str = "rel_err") -> dict:
         vmin, vmax = plots.value_range(routed[routed.recipe.isin(lossy)][metric])
     for rec in lossy:
         safe = rec.replace(":", "_")
-        figs[f"heatmap_{metric}_{safe}"] = plots.heatmap(df, metric, recipe=rec, vmin=vmin,
-                                                         vmax=vmax)
-        figs[f"worst_{safe}"] = plots.worst_experts(df, metric, recipe=rec)
-        figs[f"experts_{safe}"] = plots.expert_distribution(df, metric, recipe=rec)
+        figs[f"heatmap_{metric}_{safe}"] = plots.plot_heatmap(df, metric, recipe=rec, vmin=vmin,
+                                                              vmax=vmax)
+        figs[f"worst_{safe}"] = plots.plot_worst_experts(df, metric, recipe=rec)
+        figs[f"experts_{safe}"] = plots.plot_expert_distribution(df, metric, recipe=rec)
     finite = routed[routed.recipe.isin(lossy)]
     if len(lossy) > 1 and np.isfinite(finite["sqnr_db"].to_numpy(float)).any():
-        figs["recipes_sqnr_db"] = plots.recipe_comparison(finite, "sqnr_db")
+        figs["recipes_sqnr_db"] = plots.plot_recipe_comparison(finite, "sqnr_db")
     if not result.tables.scales.empty:
-        figs["scale_exponents"] = plots.scale_histogram(result.tables.scales)
+        figs["scale_exponents"] = plots.plot_scale_histogram(result.tables.scales)
     return figs
 
 
@@ -70,9 +75,9 @@ def compare_figures(result: CompareResult) -> dict:
     if routed.empty or result.identical:
         return {}
     kw = {"metric": result.metric, "a_label": result.a_label, "b_label": result.b_label}
-    return {"compare_heatmap": cplots.compare_heatmap(t, "change_pct", **kw),
-            "compare_scatter": cplots.compare_scatter(t, **kw),
-            "compare_extremes": cplots.compare_extremes(t, **kw)}
+    return {"compare_heatmap": plots.plot_compare_heatmap(t, "change_pct", **kw),
+            "compare_scatter": plots.plot_compare_scatter(t, **kw),
+            "compare_extremes": plots.plot_compare_extremes(t, **kw)}
 
 
 def save_figures(figures: dict, out: str | os.PathLike, *, dpi: int = 110) -> list[Path]:
@@ -80,9 +85,8 @@ def save_figures(figures: dict, out: str | os.PathLike, *, dpi: int = 110) -> li
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for stem, fig in figures.items():
-        tmp = out / f".{stem}.png.tmp"
-        fig.savefig(tmp, dpi=dpi, format="png")
-        os.replace(tmp, out / f"{stem}.png")
+        with atomic_open(out / f"{stem}.png", "wb") as f:
+            fig.savefig(f, dpi=dpi, format="png")
         paths.append(out / f"{stem}.png")
     return paths
 
@@ -94,7 +98,7 @@ def write_compare_report(result: CompareResult, out: str | os.PathLike) -> tuple
 
 
 def expert_picker(ck, recipes=(), *, reference=None, kind: str = "routed"):
-    """Layer / expert / projection / comparison controls that redraw ``plots.expert_detail``.
+    """Layer / expert / projection / comparison controls that redraw ``plots.plot_expert_detail``.
 
     Every choice compares something with something else, and its label says what:
     ``stored vs reference`` (the packed grid against the BF16 reference; the default when a
@@ -127,7 +131,7 @@ def expert_picker(ck, recipes=(), *, reference=None, kind: str = "routed"):
              if source == "reference" else expert_detail(ck, *args, recipe, kind))
         with out:
             out.clear_output(wait=True)
-            display(plots.expert_detail(d))
+            display(plots.plot_expert_detail(d))
 
     for c in (layer, expert, proj, what):
         c.observe(show, names="value")

@@ -73,9 +73,9 @@ def _peak_rss_gib() -> float:
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
+    from workbench._io import atomic_write_json  # REPO joins sys.path above, at run time
+
+    atomic_write_json(path, obj, default=str)
 
 
 # --- env ---------------------------------------------------------------------------------
@@ -283,10 +283,10 @@ def _alive(pid: int) -> bool:
 
 
 def _last_step(out: Path) -> int:
-    from workbench.train.metrics import read_metrics
+    from workbench.track.metrics import read_metrics
 
-    rows = read_metrics(out)
-    return int(rows[-1]["step"]) if rows else 0
+    df = read_metrics(out, missing_ok=True)
+    return int(df["step"].iloc[-1]) if len(df) else 0
 
 
 def cmd_kill_at(args) -> dict:

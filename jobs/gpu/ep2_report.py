@@ -78,11 +78,15 @@ def run_stats(folder: Path) -> dict:
 
 
 def resume_check(qat: Path) -> dict:
-    from workbench.train.metrics import read_metrics
+    from workbench.track.metrics import read_metrics
+
+    def losses(path):
+        df = read_metrics(path, missing_ok=True)
+        return dict(zip(df["step"].astype(int), df["loss"]))
 
     kill = _json(qat / "kill.json") or {}
-    before = {int(r["step"]): r["loss"] for r in read_metrics_file(qat / "metrics_before_kill.jsonl")}
-    after = {int(r["step"]): r["loss"] for r in read_metrics(qat)}
+    before = losses(qat / "metrics_before_kill.jsonl")
+    after = losses(qat)
     resumed_from = max(kill.get("complete_checkpoints") or [0])
     both = sorted(s for s in before if s > resumed_from and s in after)
     diffs = [abs(before[s] - after[s]) for s in both]
@@ -91,18 +95,6 @@ def resume_check(qat: Path) -> dict:
                 "partial_checkpoints"), "steps_recomputed": len(both),
             "max_abs_loss_diff": max(diffs) if diffs else None,
             "bit_exact": bool(both) and all(d == 0 for d in diffs)}
-
-
-def read_metrics_file(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
 
 
 def load_probe(work: Path) -> dict:

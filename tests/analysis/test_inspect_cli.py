@@ -56,18 +56,18 @@ def test_cli_reports_a_bad_checkpoint_cleanly(tmp_path):
 
 def test_figures_are_labelled(ckpt):
     t = candidate_errors(open_checkpoint(ckpt), ["mxfp4", "mxfp4:floor"], progress=False)
-    fig = plots.heatmap(t.experts, "rel_err", recipe="mxfp4:rceil")
+    fig = plots.plot_heatmap(t.experts, "rel_err", recipe="mxfp4:rceil")
     axes = fig.get_axes()
     assert len(axes) == 4  # gate, up, down + colorbar
     assert all(ax.get_xlabel() == "expert" and ax.get_ylabel() == "layer" for ax in axes[:3])
     assert "relative error" in axes[3].get_ylabel()
-    for f in (plots.expert_distribution(t.experts, recipe="mxfp4:floor"),
-              plots.recipe_comparison(t.experts), plots.worst_experts(t.experts, recipe="mxfp4:floor"),
-              plots.scale_histogram(t.scales, recipe="mxfp4:floor")):
+    for f in (plots.plot_expert_distribution(t.experts, recipe="mxfp4:floor"),
+              plots.plot_recipe_comparison(t.experts), plots.plot_worst_experts(t.experts, recipe="mxfp4:floor"),
+              plots.plot_scale_histogram(t.scales, recipe="mxfp4:floor")):
         ax = f.get_axes()[0]
         assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
     with pytest.raises(ValueError, match="several recipes"):
-        plots.heatmap(t.experts)
+        plots.plot_heatmap(t.experts)
 
 
 def test_expert_detail_matches_table_row(ckpt):
@@ -77,7 +77,7 @@ def test_expert_detail_matches_table_row(ckpt):
     row = t[(t.layer == 2) & (t.expert == 3) & (t.proj == "down")].iloc[0]
     assert d.metrics["rel_err"] == row.rel_err
     assert d.exponents.numel() == d.weight.numel() // 32
-    fig = plots.expert_detail(d)
+    fig = plots.plot_expert_detail(d)
     assert len(fig.get_axes()) == 2
 
 

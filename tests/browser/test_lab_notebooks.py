@@ -148,13 +148,13 @@ def test_inspection_notebook_heatmaps_and_expert_picker(tmp_path, browser_ready,
             routed = sorted(df[df["kind"] == "routed"]["recipe"].unique())
             assert len(routed) == 3, routed  # the stored grid and the two candidates
             # One figure for all of them: one colour scale across recipes; none is lossless here.
-            heat = cell(page, cells, "plots.recipe_heatmaps(")
+            heat = cell(page, cells, "plots.plot_recipe_heatmaps(")
             heatmaps = png_images(heat)
             assert len(heatmaps) == 1 and is_png(heatmaps[0])
             assert "no recipe reproduces its grid exactly" in heat.locator(
                 ".jp-OutputArea").text_content()
             shots.append(shoot(heat.locator(".jp-OutputArea"), artifacts, "01_heatmaps.png"))
-            compare = cell(page, cells, "plots.recipe_comparison(")
+            compare = cell(page, cells, "plots.plot_recipe_comparison(")
             figs = png_images(compare)
             assert len(figs) == 3 and all(is_png(b) for b in figs)
             shots.append(shoot(compare.locator(".jp-OutputArea-child").first, artifacts,
@@ -320,8 +320,8 @@ def test_telemetry_notebook_heatmaps(tmp_path, browser_ready, artifacts, screens
             for needle, shot in (('es.per_expert(df, "rel_err")', "05_error.png"),
                                  ('es.per_expert(df[df.step > 0], "load")', "05_load.png"),
                                  ('es.per_expert(df[df.churn.notna()], "churn")', "05_churn.png"),
-                                 ("error_growth(growth, n=top_n", "05_growth.png"),
-                                 ("figs = [map_difference(", "05_run_vs_run.png")):
+                                 ("plot_error_growth(growth, n=top_n", "05_growth.png"),
+                                 ("figs = [plot_map_difference(", "05_run_vs_run.png")):
                 c = cell(page, cells, needle)
                 imgs = png_images(c)
                 assert len(imgs) == 1 and is_png(imgs[0]), (needle, len(imgs))

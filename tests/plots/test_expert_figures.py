@@ -48,7 +48,7 @@ def _images(fig):
 def test_one_colour_scale_across_recipes(tables):
     df = tables.experts
     routed = df[df.kind == "routed"]
-    fig = plots.recipe_heatmaps(df, "rel_err")
+    fig = plots.plot_recipe_heatmaps(df, "rel_err")
     ims = _images(fig)
     assert len(ims) == 2 * 3  # recipes x projections
     lims = {im.get_clim() for im in ims}
@@ -74,7 +74,7 @@ def test_cli_heatmaps_share_limits(ck):
 def test_flat_values_get_a_proper_range():
     df = pd.DataFrame([{"layer": 1, "expert": e, "proj": p, "kind": "routed", "recipe": "r",
                         "rel_err": 0.14} for e in range(3) for p in ("gate", "up", "down")])
-    lo, hi = _images(plots.heatmap(df, "rel_err", recipe="r"))[0].get_clim()
+    lo, hi = _images(plots.plot_heatmap(df, "rel_err", recipe="r"))[0].get_clim()
     assert lo < 0.14 < hi and hi - lo > 0.01
     assert plots.value_range([0.0, 0.0]) == (0.0, 1.0)
     assert plots.value_range([np.inf, np.nan]) == (0.0, 1.0)
@@ -82,7 +82,7 @@ def test_flat_values_get_a_proper_range():
 
 def test_worst_bars_are_zoomed(tables):
     df = tables.experts
-    fig = plots.worst_experts(df, "rel_err", recipe="mxfp4:floor", n=10)
+    fig = plots.plot_worst_experts(df, "rel_err", recipe="mxfp4:floor", n=10)
     ax = fig.axes[0]
     widths = sorted(p.get_width() for p in ax.patches)
     top = df[(df.kind == "routed") & (df.recipe == "mxfp4:floor")].rel_err.nlargest(10)
@@ -98,7 +98,7 @@ def test_scale_histogram_is_a_fraction_of_elements(ck):
     s = t.scales[t.scales.kind == "routed"]
     blocks = s.groupby("recipe")["count"].sum()
     assert blocks["nvfp4:torchao"] == 2 * blocks["mxfp4:rceil"]
-    fig = plots.scale_histogram(t.scales)
+    fig = plots.plot_scale_histogram(t.scales)
     ax = fig.axes[0]
     assert ax.get_ylabel() == "fraction of elements"
     per_recipe = {}
@@ -126,7 +126,7 @@ def test_lossless_grid_is_named_not_drawn(ck):
     assert set(report.inspect_figures(only)) <= {"scale_exponents"}
     # the expert view says "exact" instead of drawing one spike at 0
     d = expert_detail(pk, 1, 0, "gate", "mxfp4:rceil")
-    fig = plots.expert_detail(d)
+    fig = plots.plot_expert_detail(d)
     assert not fig.axes[0].patches and "exactly" in fig.axes[0].texts[0].get_text()
 
 

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from track_runs import REPO
 
-from workbench.plots.expert_stats import error_growth, map_difference, step_heatmaps
+from workbench.plots import plot_error_growth, plot_map_difference, plot_step_heatmaps
 from workbench.track import check
 from workbench.track import expert_stats as es
 from workbench.train import distributed
@@ -44,7 +44,7 @@ def test_tables_and_figures_hold_the_data(runs):
     grid = es.per_expert(df, "rel_err")
     worst = df.groupby(["step", "layer", "expert"])["rel_err"].max()
     assert grid.set_index(["step", "layer", "expert"])["rel_err"].equals(worst)
-    fig = step_heatmaps(grid, "rel_err")
+    fig = plot_step_heatmaps(grid, "rel_err")
     images = [ax.images[0] for ax in fig.axes if ax.images]
     assert len(images) == df["layer"].nunique()
     lo, hi = images[0].norm.vmin, images[0].norm.vmax
@@ -54,13 +54,13 @@ def test_tables_and_figures_hold_the_data(runs):
     np.testing.assert_array_equal(images[0].get_array(), layer0.to_numpy())
 
     growth = es.error_growth(df)
-    bars = error_growth(growth, n=3).axes[0]
+    bars = plot_error_growth(growth, n=3).axes[0]
     widths = sorted(p.get_width() for p in bars.patches)
     assert widths == pytest.approx(sorted(growth["growth"].nlargest(3)))
     assert bars.get_xlim()[0] != 0 or min(widths) < 0  # zoomed, not from zero
 
     diff = es.final_difference(es.read(runs / "mxfp4"), es.read(runs / "nvfp4"))
-    m = map_difference(diff, a="mxfp4", b="nvfp4")
+    m = plot_map_difference(diff, a="mxfp4", b="nvfp4")
     im = m.axes[0].images[0]
     assert im.norm.vcenter == 0 and im.norm.vmin == -im.norm.vmax
     assert math.isclose(-im.norm.vmin, diff["diff"].abs().max())

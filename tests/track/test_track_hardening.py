@@ -24,8 +24,7 @@ from workbench.track import (
     find_runs,
     read_metrics,
 )
-from workbench.train.metrics import read_metrics as train_read_metrics
-from workbench.train.metrics import truncate_metrics
+from workbench.train.metrics import parse_metrics_lines, truncate_metrics
 
 
 def frame(rows) -> pd.DataFrame:
@@ -165,4 +164,4 @@ def test_resume_truncation_skips_damaged_lines_with_a_warning(tmp_path):
     assert [json.loads(ln)["step"] for ln in lines] == [1, 4]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # what is left is clean: no more warnings
-        assert [r["step"] for r in train_read_metrics(tmp_path)] == [1, 4]
+        assert [r["step"] for r in parse_metrics_lines(tmp_path / "metrics.jsonl")] == [1, 4]

@@ -309,6 +309,30 @@ def test_export_states_the_trained_recipe(trained, recipe):
     else:
         assert scheme.input_activations is None
     assert scheme.output_activations is None
+    # Every other field, against compressed-tensors' own presets and llm-compressor's MoE style
+    # (class target, lm_head and router gates ignored), not the exporter's tables.
+    from compressed_tensors.quantization import QuantizationStatus
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    # (model_dump: pydantic's == also compares which fields were set explicitly)
+    assert scheme.weights.model_dump() == \
+        PRESET_SCHEMES[w_fmt.upper() + "A16"]["weights"].model_dump()
+    if a_fmt:
+        assert scheme.input_activations.model_dump() == \
+            PRESET_SCHEMES["MXFP8"]["input_activations"].model_dump()
+    assert scheme.targets == ["Linear"] and scheme.format is None
+    assert qc.ignore[:2] == ["lm_head", "re:.*mlp.gate$"]
+    # the rest of ignore is the attention projections, the only other dense Linears of the tiny
+    # Qwen3-MoE (all its layers are sparse, none is dense MLP)
+    assert sorted(qc.ignore[2:]) == sorted(f"re:.*self_attn.{p}_proj$" for p in "qkvo")
+    assert qc.quantization_status == QuantizationStatus.COMPRESSED
+    assert qc.quant_method == "compressed-tensors" and qc.kv_cache_scheme is None
+    assert qc.global_compression_ratio is None and qc.moe_sparsity_config is None
+    assert list(qc.config_groups) == ["group_0"]
+    # the keys ModelCompressor.update_config writes beside QuantizationConfig's own fields
+    assert set(raw) - set(type(qc).model_fields) == {"sparsity_config", "transform_config",
+                                                     "version"}
+    assert raw["sparsity_config"] == {} and raw["transform_config"] == {}
 
 
 def test_reader_package_imports_no_trainer():
@@ -328,3 +352,114 @@ def test_reader_package_imports_no_trainer():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=env).stdout.strip().splitlines()[-1]
     assert out == "[]"
+
+
+def _checkpoint_layout_skeleton(shapes):
+    """The module tree a per-expert reader (vLLM, compressed-tensors itself) builds from the
+    export's names: every 2-D weight (or `weight_packed`) an `nn.Linear`, `embed_tokens` an
+    `nn.Embedding`, on the meta device. Classes come from the stored shapes, not the exporter."""
+    from torch import nn
+
+    root = nn.Module()
+    for name, shape in shapes.items():
+        module, _, param = name.rpartition(".")
+        if param not in ("weight", "weight_packed") or len(shape) != 2:
+            continue
+        cls = nn.Embedding if module.endswith("embed_tokens") else nn.Linear
+        parent = root
+        *path, leaf = module.split(".")
+        for part in path:
+            if not hasattr(parent, part):
+                parent.add_module(part, nn.Module())
+            parent = getattr(parent, part)
+        parent.add_module(leaf, cls(2, 2, device="meta"))
+    if not hasattr(root, "lm_head"):  # tied: transformers still builds the Linear
+        root.add_module("lm_head", nn.Linear(2, 2, device="meta"))
+    return root
+
+
+@pytest.mark.parametrize("recipe", ["mxfp4", "nvfp4"])
+def test_transformers_reload_matches_targets_and_ignore(trained, recipe, caplog, monkeypatch):
+    """The export's targets/ignore, in llm-compressor's style, match on load: transformers (offline,
+    no remote code) applies them to its fused Qwen3-MoE without a "Could not match" from
+    compressed-tensors and quantizes no dense module; on the per-expert layout compressed-tensors'
+    own matcher selects exactly the packed experts (router gates and lm_head ignored)."""
+    import logging
+
+    from compressed_tensors.utils.match import match_named_modules
+    from loguru import logger as loguru_logger
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _, _, path = trained(recipe)
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    targets, ignore = qc["config_groups"]["group_0"]["targets"], qc["ignore"]
+    assert "lm_head" in ignore and r"re:.*mlp.gate$" in ignore
+
+    said = []  # compressed-tensors logs through both loguru and stdlib logging
+    sink = loguru_logger.add(lambda m: said.append(str(m)), level="WARNING")
+    try:
+        with caplog.at_level(logging.WARNING):
+            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                      local_files_only=True,
+                                                      trust_remote_code=False)
+    finally:
+        loguru_logger.remove(sink)
+    said += [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "Could not match" in m], said
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+    schemed = [n for n, m in hf.named_modules() if getattr(m, "quantization_scheme", None)]
+    assert schemed == [], f"dense modules quantized on load: {schemed}"
+
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shapes = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(str(path / shard), "pt") as f:
+            names = f.keys()  # safe_open is no dict: `in f` does not iterate its names
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in names})
+    packed = {k.rpartition(".")[0] for k in shapes if k.endswith(".weight_packed")}
+    assert packed  # every expert projection of every layer
+    with caplog.at_level(logging.WARNING, logger="compressed_tensors"):
+        caplog.clear()
+        matched = {n for n, _ in match_named_modules(_checkpoint_layout_skeleton(shapes), targets,
+                                                     ignore, warn_on_fail=True)}
+    assert matched == packed
+    assert not [r for r in caplog.records if "Could not match" in r.getMessage()]
+
+
+def test_targets_ignore_cover_dense_layers_and_a_tied_head(tmp_path, caplog):
+    """A dense MLP layer and a tied lm_head (stored once, as the embedding): ignore names the dense
+    layer's projections and lm_head, so neither transformers nor the per-expert matcher quantizes
+    them, and nothing fails to match."""
+    import dataclasses
+    import logging
+
+    from compressed_tensors.utils.match import match_named_modules
+    from loguru import logger as loguru_logger
+    from transformers import AutoModelForCausalLM
+
+    from workbench.model import MoEForCausalLM, tiny
+
+    cfg = dataclasses.replace(tiny(), mlp_only_layers=(0,), dense_ffn=64, tie_embeddings=True)
+    path = export_model(MoEForCausalLM(cfg, seed=0), tmp_path / "x", fmt="compressed-tensors",
+                        recipe="mxfp4")
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "lm_head.weight" not in index and "re:.*mlp.down_proj$" in qc["ignore"]
+    tensors = _load(path)
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    packed = {k.rpartition(".")[0] for k in shapes if k.endswith(".weight_packed")}
+    assert packed and not any(".layers.0." in m for m in packed)
+    skeleton = _checkpoint_layout_skeleton(shapes)
+    assert {n for n, _ in match_named_modules(skeleton, ["Linear"], qc["ignore"])} == packed
+    said = []
+    sink = loguru_logger.add(lambda m: said.append(str(m)), level="WARNING")
+    try:
+        with caplog.at_level(logging.WARNING):
+            hf = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+    finally:
+        loguru_logger.remove(sink)
+    said += [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "Could not match" in m], said
+    assert [n for n, m in hf.named_modules() if getattr(m, "quantization_scheme", None)] == []

@@ -9,8 +9,7 @@ import torch
 
 from workbench.formats import parse_recipe
 from workbench.model import GroupedExperts, MoEForCausalLM, tiny
-from workbench.qat import ste
-from workbench.qat.ste import fake_quant_ste
+from workbench.qat import fake_quant_reference, fake_quant_ste
 from workbench.train.fqtime import FakeQuantTimer
 
 
@@ -35,17 +34,28 @@ def test_one_call_per_fake_quantization_and_time_within_the_block():
 
 
 def test_a_transposed_call_is_counted_once_and_the_hook_is_removed_on_error():
-    orig = ste._fq
     x = torch.randn(64, 8)
     with pytest.raises(RuntimeError, match="boom"), FakeQuantTimer() as timer:
-        y = fake_quant_ste(x, parse_recipe("mxfp4"), dim=0)  # _fq recurses on the transpose
+        y = fake_quant_ste(x, parse_recipe("mxfp4"), dim=0)  # blocks along dim 0: a transpose
         assert timer.take()[1] == 1
-        assert ste._fq is not orig
         raise RuntimeError("boom")
-    assert ste._fq is orig
+    assert not timer.available
+    fake_quant_ste(x, parse_recipe("mxfp4"), dim=0)  # after the error: no longer timed
+    assert timer.take() == (0.0, 0)
     # the timed call returned the codec's own result
-    torch.testing.assert_close(y, ste.fake_quant_reference(x, parse_recipe("mxfp4"), dim=0),
+    torch.testing.assert_close(y, fake_quant_reference(x, parse_recipe("mxfp4"), dim=0),
                                rtol=0, atol=0)
+
+
+def test_nested_timers_each_count_and_leave_in_any_order():
+    x = torch.randn(4, 32)
+    outer, inner = FakeQuantTimer().__enter__(), FakeQuantTimer().__enter__()
+    fake_quant_ste(x, parse_recipe("mxfp4"))
+    outer.__exit__(None, None, None)  # the outer one leaves first: the inner keeps timing
+    fake_quant_ste(x, parse_recipe("mxfp4"))
+    inner.__exit__(None, None, None)
+    fake_quant_ste(x, parse_recipe("mxfp4"))
+    assert outer.take()[1] == 1 and inner.take()[1] == 2
 
 
 def test_nothing_is_timed_outside_the_block():

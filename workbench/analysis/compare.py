@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from workbench._io import atomic_write_text
 from workbench.checkpoint import Checkpoint, open_checkpoint
 from workbench.checkpoint.grid import stored_grid
 from workbench.formats import dequantize, parse_recipe, quantize
@@ -200,9 +201,7 @@ class CompareResult:
         out.mkdir(parents=True, exist_ok=True)
         for name, text in (("compare.csv", self.table.to_csv(index=False)),
                            ("summary.txt", self.summary() + "\n")):
-            tmp = out / f".{name}.tmp"
-            tmp.write_text(text)
-            os.replace(tmp, out / name)
+            atomic_write_text(out / name, text)
         return out
 
     def __repr__(self) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from workbench._io import atomic_open, atomic_write_text
 from workbench.formats import parse_recipe
 
 from .tables import ErrorTables, candidate_errors, reference_errors, stored_vs_recipes
@@ -150,8 +151,7 @@ def write_report(result: InspectResult, out: str | os.PathLike, *, dpi: int = 11
     out = Path(out)
     result.tables.save(out)
     for stem, fig in result.figures.items():
-        tmp = out / f".{stem}.png.tmp"
-        fig.savefig(tmp, dpi=dpi, format="png")
-        os.replace(tmp, out / f"{stem}.png")
-    (out / "summary.txt").write_text(result.summary + "\n")
+        with atomic_open(out / f"{stem}.png", "wb") as f:
+            fig.savefig(f, dpi=dpi, format="png")
+    atomic_write_text(out / "summary.txt", result.summary + "\n")
     return out

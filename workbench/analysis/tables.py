@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from workbench._io import atomic_open
 from workbench.checkpoint.grid import stored_grid
 from workbench.formats import Recipe, dequantize, parse_recipe, quantize
 
@@ -50,9 +51,8 @@ class ErrorTables:
         out = Path(folder)
         out.mkdir(parents=True, exist_ok=True)
         for name, df in (("experts", self.experts), ("scales", self.scales)):
-            tmp = out / f".{name}.csv.tmp"
-            df.to_csv(tmp, index=False)
-            os.replace(tmp, out / f"{name}.csv")
+            with atomic_open(out / f"{name}.csv") as f:
+                df.to_csv(f, index=False)
         return out
 
     @classmethod

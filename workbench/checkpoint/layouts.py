@@ -18,7 +18,6 @@ Activation / KV-cache scales (`input_scale`, `k_scale`, ...) are kept aside as `
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
@@ -36,7 +35,7 @@ from .errors import (
     UncoveredTensorError,
 )
 from .index import ShardIndex
-from .registry import CODECS, LAYOUT_OF_METHOD, LAYOUTS
+from .registry import CODECS, LAYOUT_OF_METHOD, LAYOUTS, LogicalSpec
 
 EXTRA_PARAMS = re.compile(r"(input|output)_(scale|global_scale|zero_point)|[kvq]_scale")
 _EP = re.compile(r"@ep\d+$")
@@ -44,27 +43,6 @@ _E8 = (torch.uint8, torch.float8_e8m0fnu)
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # derived views of the records, for callers that only ask "which formats codec is this"
 FMT_OF_CODEC = {c.name: c.fmt for c in CODECS.values() if c.fmt is not None}
-
-
-@dataclass(frozen=True)
-class LogicalSpec:
-    """One logical weight: where its parts are stored and how to decode them."""
-
-    name: str
-    codec: str | None  # None: stored dense
-    shape: tuple[int, ...]  # logical shape, Linear convention [..., out, in]
-    stored_dtype: torch.dtype
-    parts: tuple[tuple[str, str], ...]  # (role, stored tensor name)
-    block: int = 1  # logical columns per scale entry
-    row_block: int = 1  # logical rows per scale entry (fp8-block)
-    blocks4d: bool = False  # gpt-oss data is [..., N, K/32, 16]
-    profile: str | None = None
-    scale_kind: str | None = None  # fp8 (compressed-tensors float-quantized): tensor|channel|block
-    transposed: bool = False  # dense stored [..., in, out] (transformers' fused gpt-oss experts)
-    interleaved: bool = False  # fused gate_up rows alternate gate, up (gpt-oss)
-
-    def part(self, role: str) -> str | None:
-        return dict(self.parts).get(role)
 
 
 @dataclass
@@ -250,70 +228,7 @@ def _check(index, layout, qcfg, base, g, codec, shape) -> list[CheckpointError]:
                                            f"{e.dtype}", path=e.file, tensor=g[role]))
     if errs:
         return errs
-    return _check_shapes(index, layout, qcfg, base, g, codec, shape)
-
-
-def _check_shapes(index, layout, qcfg, base, g, codec, shape) -> list[CheckpointError]:
-    d, s = index.entry(g["data"]), index.entry(g["scale"])
-    bad = []
-
-    def mismatch(role, got, want):
-        e = index.entry(g[role])
-        bad.append(ShapeMismatchError(f"{role} shape {list(got)} does not fit {codec} data "
-                                      f"{list(d.shape)} (expected {list(want)})", path=e.file,
-                                      tensor=g[role]))
-
-    c = CODECS[codec]
-    if c.fmt is not None:
-        b = c.block
-        cols = shape[-1]
-        if LAYOUTS[layout].blocks4d and (len(d.shape) < 3 or d.shape[-1] != c.bytes_per_block):
-            mismatch("data", d.shape, (*d.shape[:-1], c.bytes_per_block))
-        elif cols % b:
-            bad.append(ShapeMismatchError(f"{cols} logical columns are not a multiple of the "
-                                          f"{b}-wide {codec} block", path=d.file, tensor=g["data"]))
-        elif s.shape != (*shape[:-1], cols // b):
-            mismatch("scale", s.shape, (*shape[:-1], cols // b))
-        if "global_scale" in c.roles:
-            gs = index.entry(g["global_scale"])
-            if math.prod(gs.shape) != 1:
-                mismatch("global_scale", gs.shape, (1,))
-    elif codec == "int4":
-        w = qcfg_group_size(qcfg, base)
-        sh = index.entry(g["shape"])
-        if sh.shape != (2,) or len(d.shape) != 2:
-            return [ShapeMismatchError(f"INT4 needs 2-D data and a [2] weight_shape, got "
-                                       f"{list(d.shape)} and {list(sh.shape)}", path=sh.file,
-                                       tensor=g["shape"])]
-        rows, cols = (int(v) for v in index.read(g["shape"]).tolist())
-        if d.shape != (rows, math.ceil(cols * 4 / 32)):
-            mismatch("data", d.shape, (rows, math.ceil(cols * 4 / 32)))
-        elif cols % w or s.shape != (rows, cols // w):
-            mismatch("scale", s.shape, (rows, cols // w))
-    elif codec in ("fp8-block", "fp8"):
-        # the FP8 decoders read 2-D [out, in] data only: any other rank is refused here, at
-        # open, rather than by the first read
-        if len(d.shape) != 2:
-            bad.append(ShapeMismatchError(f"{codec} data must be 2-D [out, in], got "
-                                          f"{list(d.shape)}", path=d.file, tensor=g["data"]))
-            return bad
-        r = d.shape[0]
-        blk = qcfg.weight_block_size if codec == "fp8-block" else _ct_block(qcfg)
-        if blk is not None:
-            want = (math.ceil(d.shape[0] / blk[0]), math.ceil(d.shape[1] / blk[1]))
-            if s.shape != want:
-                mismatch("scale", s.shape, want)
-        elif s.shape not in ((), (1,), (r, 1), (r,)):
-            mismatch("scale", s.shape, (r, 1))
-    return bad
-
-
-def qcfg_group_size(qcfg: QuantConfig, base: str) -> int:
-    for grp in qcfg.groups:
-        if grp.codec == "int4" and grp.weights is not None and grp.weights.group_size:
-            return int(grp.weights.group_size)
-    raise ConfigError("INT4 weights need a group_size in the config", path=qcfg.source,
-                      tensor=base)
+    return CODECS[codec].check(index, LAYOUTS[layout], qcfg, base, g, shape, CODECS[codec])
 
 
 def _fused_gpt_oss(index: ShardIndex, base: str, shape: tuple[int, ...], model_type) -> bool:
@@ -328,41 +243,15 @@ def _fused_gpt_oss(index: ShardIndex, base: str, shape: tuple[int, ...], model_t
 
 
 def _spec(index, layout, qcfg, base, g, codec, shape, model_type=None) -> LogicalSpec:
+    if codec is not None:
+        return CODECS[codec].spec(index, LAYOUTS[layout], qcfg, base, g, shape, CODECS[codec])
     d = index.entry(g["data"])
     parts = tuple(sorted((r, n) for r, n in g.items() if r != "_conflict"))
-    if codec is None:
-        if _fused_gpt_oss(index, base, d.shape, model_type):
-            E, K, N = d.shape
-            return LogicalSpec(base, None, (E, N, K), d.dtype, parts, transposed=True,
-                               interleaved=True)
-        return LogicalSpec(base, None, d.shape, d.dtype, parts)
-    lay, c = LAYOUTS[layout], CODECS[codec]
-    if c.fmt is not None:
-        return LogicalSpec(base, codec, shape, d.dtype, parts, block=c.block,
-                           blocks4d=lay.blocks4d, profile=lay.profile,
-                           interleaved=lay.interleaved)
-    if codec == "int4":
-        rows, cols = (int(v) for v in index.read(g["shape"]).tolist())
-        return LogicalSpec(base, codec, (rows, cols), d.dtype, parts,
-                           block=qcfg_group_size(qcfg, base))
-    if codec == "fp8-block":
-        br, bc = qcfg.weight_block_size
-        return LogicalSpec(base, codec, shape, d.dtype, parts, block=bc, row_block=br)
-    blk = _ct_block(qcfg)
-    if blk is not None:  # compressed-tensors FP8 "block" strategy: same tiles as DeepSeek
-        return LogicalSpec(base, codec, shape, d.dtype, parts, block=blk[1], row_block=blk[0],
-                           scale_kind="block")
-    s = index.entry(g["scale"]).shape
-    kind = "tensor" if math.prod(s) == 1 and shape[0] != 1 else "channel"
-    return LogicalSpec(base, codec, shape, d.dtype, parts, scale_kind=kind)
-
-
-def _ct_block(qcfg: QuantConfig) -> tuple[int, int] | None:
-    for grp in qcfg.groups:
-        w = grp.weights
-        if grp.codec == "fp8" and w is not None and w.strategy == "block" and w.block_structure:
-            return (int(w.block_structure[0]), int(w.block_structure[1]))
-    return None
+    if _fused_gpt_oss(index, base, d.shape, model_type):
+        E, K, N = d.shape
+        return LogicalSpec(base, None, (E, N, K), d.dtype, parts, transposed=True,
+                           interleaved=True)
+    return LogicalSpec(base, None, d.shape, d.dtype, parts)
 
 
 def _dtypes(index, g) -> str:

@@ -9,7 +9,6 @@
 """
 
 from .handle import TERMINAL, JobFailedError, JobHandle, LaunchError
-from .metrics import read_metrics
 from .spec import LaunchSpec, LaunchSpecError, ep4, ep8, local
 from .submit import make_executor, submit, sweep
 from .watch import curves, status, watch
@@ -29,7 +28,6 @@ __all__ = [
            "ep8",
            "local",
            "make_executor",
-           "read_metrics",
            "status",
            "submit",
            "sweep",

@@ -18,6 +18,8 @@ import time
 import warnings
 from pathlib import Path
 
+from workbench._io import atomic_write_json
+
 from .spec import LaunchSpec
 
 LAUNCH_FILE = "launch.json"
@@ -55,10 +57,8 @@ def index_dir() -> Path:
 
 
 def write_json_atomic(path: Path, obj: object) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    os.replace(tmp, path)
+    path.parent.mkdir(parents=True, exist_ok=True)  # the index folder may not exist yet
+    atomic_write_json(path, obj, default=str)
 
 
 def _run(cmd: list[str], timeout: float = 30) -> str:
@@ -315,10 +315,11 @@ class JobHandle:
 
     def metrics(self):
         """The run's metrics.jsonl as a DataFrame, one row per step (the last entry of a step wins,
-        so a resumed run that re-logged steps shows one continuous curve)."""
-        from .metrics import read_metrics
+        so a resumed run that re-logged steps shows one continuous curve); before the first
+        step is logged, an empty frame. `workbench.track.read_metrics` is the reader."""
+        from workbench.track.metrics import read_metrics  # pandas: only when asked
 
-        return read_metrics(self.folder)
+        return read_metrics(self.folder, missing_ok=True)
 
     def result(self, timeout: float | None = None) -> object:
         """Wait, then return rank 0's return value (the trainer's result dict)."""

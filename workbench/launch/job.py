@@ -52,7 +52,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import importlib
-import json
 import logging
 import os
 import signal
@@ -68,6 +67,8 @@ from submitit.core import utils as _su
 from submitit.core.job_environment import JobEnvironment
 from submitit.helpers import Checkpointable, TorchDistributedEnvironment
 
+from workbench._io import atomic_write_json
+
 log = logging.getLogger("workbench.launch")
 
 
@@ -82,12 +83,6 @@ def resolve(dotted: str) -> Callable:
     if not callable(fn):
         raise TypeError(f"{dotted!r} is not callable")
     return fn
-
-
-def _write_json_atomic(path: Path, obj: object) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    os.replace(tmp, path)
 
 
 def restarted() -> bool:
@@ -183,7 +178,7 @@ class DistributedJob(Checkpointable):
         if isinstance(result, Mapping) and result.get("stopped"):
             self._requeue_after_stop(denv.rank, started, own_pg)  # never returns
         if denv.rank == 0:
-            _write_json_atomic(Path(self.result_path), {"ok": True, "result": result})
+            atomic_write_json(Path(self.result_path), {"ok": True, "result": result}, default=str)
         if own_pg:
             dist.barrier()
             dist.destroy_process_group()

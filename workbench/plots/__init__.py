@@ -1,33 +1,43 @@
-"""Matplotlib figures built from analysis and tracking tables; every function returns a Figure.
+"""Matplotlib figures built from analysis and tracking tables.
 
-Plots take DataFrames (or plain result objects) and never import ``workbench.analysis``; the
-code that runs an analysis and picks its figures lives above both, in ``workbench.report``.
+One naming pattern: every figure function is `plot_*` and returns a matplotlib Figure (so
+notebooks, the CLI and wandb show the same pictures). Plots take DataFrames (or plain result
+objects) and never import ``workbench.analysis``; the code that runs an analysis and picks its
+figures lives above both, in ``workbench.report``.
 """
 
-from .compare import compare_extremes, compare_heatmap, compare_scatter
+from .compare import plot_compare_extremes, plot_compare_heatmap, plot_compare_scatter
+from .expert_stats import plot_error_growth, plot_map_difference, plot_step_heatmaps
 from .experts import (
     METRIC_LABELS,
-    expert_detail,
-    expert_distribution,
-    heatmap,
-    recipe_comparison,
-    recipe_heatmaps,
-    scale_histogram,
+    plot_expert_detail,
+    plot_expert_distribution,
+    plot_heatmap,
+    plot_recipe_comparison,
+    plot_recipe_heatmaps,
+    plot_scale_histogram,
+    plot_worst_experts,
     value_range,
-    worst_experts,
 )
+from .runs import plot_budgets, plot_curves, plot_expert_errors
 
 __all__ = [
     "METRIC_LABELS",
-    "compare_extremes",
-    "compare_heatmap",
-    "compare_scatter",
-    "expert_detail",
-    "expert_distribution",
-    "heatmap",
-    "recipe_comparison",
-    "recipe_heatmaps",
-    "scale_histogram",
+    "plot_budgets",
+    "plot_compare_extremes",
+    "plot_compare_heatmap",
+    "plot_compare_scatter",
+    "plot_curves",
+    "plot_error_growth",
+    "plot_expert_detail",
+    "plot_expert_distribution",
+    "plot_expert_errors",
+    "plot_heatmap",
+    "plot_map_difference",
+    "plot_recipe_comparison",
+    "plot_recipe_heatmaps",
+    "plot_scale_histogram",
+    "plot_step_heatmaps",
+    "plot_worst_experts",
     "value_range",
-    "worst_experts",
 ]

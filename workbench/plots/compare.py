@@ -32,7 +32,7 @@ def symmetric_limit(values) -> float:
     return m if m > 0 else 1.0
 
 
-def compare_heatmap(table: pd.DataFrame, value: str = "change_pct", *, metric: str = "rel_err",
+def plot_compare_heatmap(table: pd.DataFrame, value: str = "change_pct", *, metric: str = "rel_err",
                     a_label: str = "A", b_label: str = "B", kind: str = "routed",
                     figsize: tuple[float, float] | None = None) -> Figure:
     """Layer x expert map of ``value`` (``change_pct`` or ``delta``), one panel per projection,
@@ -53,7 +53,7 @@ def compare_heatmap(table: pd.DataFrame, value: str = "change_pct", *, metric: s
     return fig
 
 
-def compare_scatter(table: pd.DataFrame, *, metric: str = "rel_err", a_label: str = "A",
+def plot_compare_scatter(table: pd.DataFrame, *, metric: str = "rel_err", a_label: str = "A",
                     b_label: str = "B", kind: str = "routed",
                     figsize: tuple[float, float] = (5.5, 5.0)) -> Figure:
     """Each expert weight's error under A against under B, coloured by verdict, with the y = x
@@ -82,7 +82,7 @@ def compare_scatter(table: pd.DataFrame, *, metric: str = "rel_err", a_label: st
     return fig
 
 
-def compare_extremes(table: pd.DataFrame, *, n: int = 8, value: str = "change_pct",
+def plot_compare_extremes(table: pd.DataFrame, *, n: int = 8, value: str = "change_pct",
                      metric: str = "rel_err", a_label: str = "A", b_label: str = "B",
                      kind: str = "routed", figsize: tuple[float, float] = (8.0, 4.5)) -> Figure:
     """The ``n`` weights A improved most and the ``n`` it made worst, as bars of ``value`` on

@@ -5,10 +5,15 @@ Inputs are the frames `workbench.track.expert_stats` returns; outputs are Figure
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import pandas as pd
-from matplotlib.colors import Normalize, TwoSlopeNorm
-from matplotlib.figure import Figure
+
+from .runs import _figure_class
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 LABELS = {"rel_err": "relative error ||Q(w) - w|| / ||w||", "load": "tokens routed",
           "churn": "share of codes changed", "sqnr_db": "SQNR (dB)",
@@ -19,12 +24,14 @@ def _label(metric: str) -> str:
     return LABELS.get(metric, metric)
 
 
-def step_heatmaps(grid: pd.DataFrame, metric: str, *, title: str | None = None) -> Figure:
+def plot_step_heatmaps(grid: pd.DataFrame, metric: str, *, title: str | None = None) -> Figure:
     """Expert x record-step heatmaps of `metric`, one panel per layer, one colour scale for the
     figure. `grid` has columns layer, expert, step and `metric` (projections already reduced,
     see `workbench.track.expert_stats.per_expert`)."""
+    from matplotlib.colors import Normalize  # the plots extra: loaded when a figure is drawn
+
     layers = sorted(grid["layer"].unique())
-    fig = Figure(figsize=(4.0 * len(layers) + 1.5, 4.0), layout="constrained")
+    fig = _figure_class()(figsize=(4.0 * len(layers) + 1.5, 4.0), layout="constrained")
     axes = fig.subplots(1, len(layers), squeeze=False)[0]
     vals = pd.to_numeric(grid[metric], errors="coerce").to_numpy(dtype=float)
     finite = vals[np.isfinite(vals)]
@@ -48,11 +55,11 @@ def step_heatmaps(grid: pd.DataFrame, metric: str, *, title: str | None = None) 
     return fig
 
 
-def error_growth(table: pd.DataFrame, *, n: int = 10, title: str | None = None) -> Figure:
+def plot_error_growth(table: pd.DataFrame, *, n: int = 10, title: str | None = None) -> Figure:
     """The `n` experts whose relative error grew most between the first and last record;
     `table` has columns layer, expert, first, last, growth. The axis is zoomed to the bars."""
     top = table.nlargest(n, "growth").iloc[::-1]
-    fig = Figure(figsize=(7.0, 0.35 * len(top) + 1.5), layout="constrained")
+    fig = _figure_class()(figsize=(7.0, 0.35 * len(top) + 1.5), layout="constrained")
     ax = fig.add_subplot()
     labels = [f"L{int(r.layer)} E{int(r.expert)}" for r in top.itertuples()]
     ax.barh(labels, top["growth"], color="C3")
@@ -65,15 +72,17 @@ def error_growth(table: pd.DataFrame, *, n: int = 10, title: str | None = None) 
     return fig
 
 
-def map_difference(diff: pd.DataFrame, *, a: str, b: str, metric: str = "rel_err") -> Figure:
+def plot_map_difference(diff: pd.DataFrame, *, a: str, b: str, metric: str = "rel_err") -> Figure:
     """Layer x expert map of `metric` of run `a` minus run `b` at their last record, diverging
     colours centred on zero (blue: `a` lower)."""
     g = diff.pivot(index="layer", columns="expert", values="diff")
     vals = g.to_numpy(dtype=float)
     span = float(np.nanmax(np.abs(vals))) if np.isfinite(vals).any() else 0.0
     span = span or 1e-12
-    fig = Figure(figsize=(max(6.0, 0.25 * g.shape[1] + 2), 0.5 * g.shape[0] + 2),
-                 layout="constrained")
+    from matplotlib.colors import TwoSlopeNorm
+
+    fig = _figure_class()(figsize=(max(6.0, 0.25 * g.shape[1] + 2), 0.5 * g.shape[0] + 2),
+                          layout="constrained")
     ax = fig.add_subplot()
     im = ax.imshow(vals, aspect="auto", interpolation="nearest", cmap="RdBu_r",
                    norm=TwoSlopeNorm(0.0, -span, span), origin="lower")

@@ -66,14 +66,14 @@ def value_range(values) -> tuple[float, float]:
     return lo, hi
 
 
-def heatmap(df: pd.DataFrame, metric: str = "rel_err", *, recipe: str | None = None,
+def plot_heatmap(df: pd.DataFrame, metric: str = "rel_err", *, recipe: str | None = None,
             projs: tuple[str, ...] | None = None, kind: str = "routed",
             vmin: float | None = None, vmax: float | None = None,
             figsize: tuple[float, float] | None = None) -> Figure:
     """Layer x expert heatmap of ``metric``, one panel per projection, shared color scale.
 
     ``vmin``/``vmax`` fix the colour scale (pass the same ones to every recipe's heatmap, or use
-    ``recipe_heatmaps``, so equal colours mean equal errors across figures)."""
+    ``plot_recipe_heatmaps``, so equal colours mean equal errors across figures)."""
     d = _select(df, recipe, kind)
     projs = projs or tuple(p for p in PROJ_ORDER if p in set(d.proj))
     lo, hi = value_range(d[metric])
@@ -121,7 +121,7 @@ def _ticks(set_ticks, set_labels, values, max_ticks: int = 16):
     set_labels([str(values[i]) for i in pos])
 
 
-def recipe_heatmaps(df: pd.DataFrame, metric: str = "rel_err", *,
+def plot_recipe_heatmaps(df: pd.DataFrame, metric: str = "rel_err", *,
                     recipes: list[str] | None = None, kind: str = "routed",
                     projs: tuple[str, ...] | None = None,
                     figsize: tuple[float, float] | None = None) -> Figure:
@@ -161,7 +161,7 @@ def recipe_heatmaps(df: pd.DataFrame, metric: str = "rel_err", *,
     return fig
 
 
-def expert_distribution(df: pd.DataFrame, metric: str = "rel_err", *, recipe: str | None = None,
+def plot_expert_distribution(df: pd.DataFrame, metric: str = "rel_err", *, recipe: str | None = None,
                         proj: str | None = None, kind: str = "routed",
                         figsize: tuple[float, float] = (10.0, 4.0)) -> Figure:
     """Per-expert distribution of ``metric`` across layers (box per expert)."""
@@ -182,7 +182,7 @@ def expert_distribution(df: pd.DataFrame, metric: str = "rel_err", *, recipe: st
     return fig
 
 
-def recipe_comparison(df: pd.DataFrame, metric: str = "sqnr_db", *, kind: str = "routed",
+def plot_recipe_comparison(df: pd.DataFrame, metric: str = "sqnr_db", *, kind: str = "routed",
                       figsize: tuple[float, float] = (8.0, 4.0)) -> Figure:
     """Distribution of ``metric`` over all expert weights, one box per recipe and projection."""
     d = df[df.kind == kind]
@@ -213,7 +213,7 @@ def recipe_comparison(df: pd.DataFrame, metric: str = "sqnr_db", *, kind: str = 
     return fig
 
 
-def scale_histogram(scales: pd.DataFrame, *, recipe: str | None = None,
+def plot_scale_histogram(scales: pd.DataFrame, *, recipe: str | None = None,
                     layer: int | None = None, expert: int | None = None, proj: str | None = None,
                     kind: str = "routed", figsize: tuple[float, float] = (7.0, 3.5)) -> Figure:
     """Histogram of block-scale exponents (log2 of each block's scale), as the fraction of a
@@ -244,7 +244,7 @@ def scale_histogram(scales: pd.DataFrame, *, recipe: str | None = None,
     return fig
 
 
-def worst_experts(df: pd.DataFrame, metric: str = "rel_err", *, n: int = 10,
+def plot_worst_experts(df: pd.DataFrame, metric: str = "rel_err", *, n: int = 10,
                   recipe: str | None = None, kind: str = "routed", largest: bool | None = None,
                   figsize: tuple[float, float] = (8.0, 4.0)) -> Figure:
     """The ``n`` worst expert weights by ``metric`` (largest error, or lowest SQNR/cosine)."""
@@ -275,7 +275,7 @@ def worst_experts(df: pd.DataFrame, metric: str = "rel_err", *, n: int = 10,
     return fig
 
 
-def expert_detail(detail, *, bins: int = 80, figsize: tuple[float, float] = (10.0, 3.6)) -> Figure:
+def plot_expert_detail(detail, *, bins: int = 80, figsize: tuple[float, float] = (10.0, 3.6)) -> Figure:
     """One expert weight: histogram of element errors and of its block-scale exponents.
 
     ``detail`` is a ``workbench.analysis.ExpertDetail``.

@@ -3,9 +3,10 @@
 from .grouped import grouped_mm
 from .prepare import PrepareReport, convert, prepare, prepared_report, unprepare
 from .recipe import QATRecipe, parse_qat_recipe
-from .ste import fake_quant_reference, fake_quant_ste
+from .ste import FakeQuantHook, fake_quant_reference, fake_quant_ste, register_fake_quant_hook
 
 __all__ = [
+    "FakeQuantHook",
     "PrepareReport",
     "QATRecipe",
     "convert",
@@ -15,5 +16,6 @@ __all__ = [
     "parse_qat_recipe",
     "prepare",
     "prepared_report",
+    "register_fake_quant_hook",
     "unprepare",
 ]

@@ -14,15 +14,23 @@ that version, in this step's forward, an activation-checkpointing recompute or a
 micro-batch, runs the one-pass quantize with the amax given. The amax is exact, never delayed:
 the same bits as computing it in place. Writes through `param.data` bypass the version counter
 (and so the cache): call `clear_amax_cache()` after them.
+
+Every fake quantization (STE forward and `fake_quant_reference`) passes through one seam,
+`register_fake_quant_hook`: observers outside qat (the trainer's fake-quant timer) wrap the call
+without patching this module. The STE backward is the identity and passes no hook.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from workbench.formats import Recipe, fake_quantize
 
@@ -107,10 +115,39 @@ def _fq(x: torch.Tensor, recipe: Recipe, dim: int, per_leading: bool) -> torch.T
     return fake_quantize(x, recipe)
 
 
+# hook(call, x) -> tensor: runs `call()` (the fake quantization of `x`, or the next hook) and
+# returns its result. Called once per fake quantization, whatever the block layout (a transposed
+# call recurses inside `_fq`, below the hooks), in registration order (the first registered is
+# outermost).
+FakeQuantHook = Callable[[Callable[[], torch.Tensor], torch.Tensor], torch.Tensor]
+_HOOKS: OrderedDict[int, FakeQuantHook] = OrderedDict()
+
+
+def register_fake_quant_hook(hook: FakeQuantHook) -> RemovableHandle:
+    """Wrap every eager fake quantization with `hook(call, x)` until `handle.remove()`.
+
+    Hooks are skipped while torch.compile traces: host-side work (timers, counters) cannot run
+    inside a graph, and a compiled region is one opaque cost to its caller anyway."""
+    if not callable(hook):
+        raise TypeError(f"fake-quant hook must be callable, got {type(hook).__name__}")
+    handle = RemovableHandle(_HOOKS)
+    _HOOKS[handle.id] = hook
+    return handle
+
+
+def _fake_quant(x: torch.Tensor, recipe: Recipe, dim: int, per_leading: bool) -> torch.Tensor:
+    call = partial(_fq, x, recipe, dim, per_leading)
+    if not _HOOKS or torch.compiler.is_compiling():
+        return call()
+    for hook in reversed(tuple(_HOOKS.values())):  # innermost first, so the first is outermost
+        call = partial(hook, call, x)
+    return call()
+
+
 class _FakeQuantSTE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, recipe: Recipe, dim: int, per_leading: bool):
-        return _fq(x, recipe, dim, per_leading)
+        return _fake_quant(x, recipe, dim, per_leading)
 
     @staticmethod
     def backward(ctx, grad):
@@ -129,4 +166,4 @@ def fake_quant_ste(x: torch.Tensor, recipe: Recipe, *, dim: int = -1,
 def fake_quant_reference(x: torch.Tensor, recipe: Recipe, *, dim: int = -1,
                          per_leading: bool = False) -> torch.Tensor:
     """The same numbers without autograd: what ``convert``/tests compare against."""
-    return _fq(x, recipe, dim, per_leading)
+    return _fake_quant(x, recipe, dim, per_leading)

@@ -4,6 +4,8 @@ offline run files, declarative budgets, and run-group comparison.
 Importing this package imports pandas but never wandb or matplotlib; those load on use.
 """
 
+from workbench.track import expert_stats
+from workbench.track.budget_chart import chart_data
 from workbench.track.budgets import (
     Budget,
     BudgetWatch,
@@ -11,8 +13,10 @@ from workbench.track.budgets import (
     LossFinite,
     NoDivergence,
     PeakMemory,
+    RecoveryAtLeast,
     StepTimeRatio,
     TokensPerSecRatio,
+    ValKLBelow,
     ValLossWithin,
     Verdict,
     check,
@@ -20,6 +24,10 @@ from workbench.track.budgets import (
     publish,
 )
 from workbench.track.compare import Comparison, RunData, compare, load_runs, runs_table
+from workbench.track.experts import expert_error_summary, final_expert_errors
+from workbench.track.metrics import BadMetricsFile, MetricsLineSkipped, as_metrics, read_metrics
+from workbench.track.offline import OfflineRun, find_runs, merge_segments, read_run
+from workbench.track.wandb_file import CorruptRunFile
 from workbench.train.logger import (
     Logger,
     NullLogger,
@@ -28,15 +36,45 @@ from workbench.train.logger import (
     WandbLogger,
     make_logger,
 )
-from workbench.track.metrics import BadMetricsFile, MetricsLineSkipped, as_metrics, read_metrics
-from workbench.track.offline import OfflineRun, find_runs, merge_segments, read_run
-from workbench.track.wandb_file import CorruptRunFile
 
 __all__ = [
-    "BadMetricsFile", "Budget", "BudgetWatch", "Comparison", "CorruptRunFile", "FakeQuantShare",
-    "Logger", "LossFinite", "MetricsLineSkipped", "NoDivergence", "NullLogger", "OfflineRun", "PeakMemory", "RunData",
-    "StepTimeRatio", "TokensPerSecRatio", "TrackingWarning", "ValLossWithin", "Verdict",
-    "WandbConfig", "WandbLogger", "as_metrics", "check", "compare", "default_budgets",
-    "find_runs", "load_runs", "make_logger", "merge_segments", "publish", "read_metrics",
-    "read_run", "runs_table",
+    "BadMetricsFile",
+    "Budget",
+    "BudgetWatch",
+    "Comparison",
+    "CorruptRunFile",
+    "FakeQuantShare",
+    "Logger",
+    "LossFinite",
+    "MetricsLineSkipped",
+    "NoDivergence",
+    "NullLogger",
+    "OfflineRun",
+    "PeakMemory",
+    "RecoveryAtLeast",
+    "RunData",
+    "StepTimeRatio",
+    "TokensPerSecRatio",
+    "TrackingWarning",
+    "ValKLBelow",
+    "ValLossWithin",
+    "Verdict",
+    "WandbConfig",
+    "WandbLogger",
+    "as_metrics",
+    "chart_data",
+    "check",
+    "compare",
+    "default_budgets",
+    "expert_error_summary",
+    "expert_stats",
+    "final_expert_errors",
+    "find_runs",
+    "load_runs",
+    "make_logger",
+    "merge_segments",
+    "publish",
+    "read_metrics",
+    "read_run",
+    "runs_table",
 ]

@@ -17,6 +17,11 @@ import pandas as pd
 from workbench.track.budgets import Verdict
 from workbench.train.expert_stats import read_expert_stats
 
+__all__ = [
+    "ChurnBelow", "DeadExpertsAtMost", "ExpertErrorBelow", "error_growth", "final_difference",
+    "per_expert", "read",
+]
+
 _REDUCE = {"rel_err": "max", "sqnr_db": "min", "churn": "max", "sat_frac": "max",
            "clip_frac": "max", "amax_drift": "max", "load": "first", "act_amax": "first"}
 

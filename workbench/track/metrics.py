@@ -12,12 +12,10 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from workbench.train.metrics import MetricsLineSkipped, parse_metrics_lines
+from workbench.train.metrics import METRICS_FILE, MetricsLineSkipped, parse_metrics_lines
 
 if TYPE_CHECKING:
     from workbench.track.offline import OfflineRun
-
-METRICS_FILE = "metrics.jsonl"
 
 
 __all__ = ["METRICS_FILE", "BadMetricsFile", "MetricsLineSkipped", "as_metrics", "read_metrics"]
@@ -28,16 +26,23 @@ class BadMetricsFile(ValueError):
     skipped with a MetricsLineSkipped warning)."""
 
 
-def read_metrics(path: str | Path) -> pd.DataFrame:
-    """Read DIR/metrics.jsonl (or the file itself). A last line without its newline is a
-    step being written right now and is skipped, so this is safe on a live run; a damaged line
-    (not UTF-8, not JSON, a non-integer step, a non-numeric value) is skipped with a
-    MetricsLineSkipped warning naming file:line (the trainer's resume truncation reads the
-    file with the same rule, workbench.train.metrics.parse_metrics_lines)."""
+def read_metrics(path: str | Path, *, missing_ok: bool = False) -> pd.DataFrame:
+    """The one metrics reader: DIR/metrics.jsonl (or the file itself) as a frame sorted by
+    step, one row per step (a step logged twice, e.g. re-done after a resume, keeps its latest
+    values). A last line without its newline is a step being written right now and is skipped,
+    so this is safe on a live run; a damaged line (not UTF-8, not JSON, a non-integer step, a
+    non-numeric value) is skipped with a MetricsLineSkipped warning naming file:line (the
+    trainer's resume truncation reads the file with the same rule,
+    workbench.train.metrics.parse_metrics_lines). No file raises FileNotFoundError, unless
+    `missing_ok`: then a run that has not logged yet is an empty frame (columns step, loss), so
+    `JobHandle.metrics()` can be polled from submission on."""
     p = Path(path)
     if p.is_dir():
         p = p / METRICS_FILE
     if not p.is_file():
+        if missing_ok:
+            return pd.DataFrame({"step": pd.Series([], dtype="int64"),
+                                 "loss": pd.Series([], dtype="float64")})
         raise FileNotFoundError(f"{p}: no metrics file")
     try:
         rows = parse_metrics_lines(p)

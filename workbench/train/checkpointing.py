@@ -47,10 +47,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from workbench._io import atomic_write_json, fsync_path
 from workbench.checkpoint import errors as reader_errors
 from workbench.checkpoint.dcp_metadata import SafeFileSystemReader
 from workbench.train.distributed import DistInfo, barrier
-from workbench.train.export import fsync_path
 
 COMPLETE = "COMPLETE"
 _STEP_RE = re.compile(r"^step_(\d{8})$")
@@ -315,11 +315,8 @@ def save(out: str | Path, model: nn.Module, opt, sched, step: int, info: DistInf
     if info.is_main:
         try:
             marker = tmp / COMPLETE
-            with open(marker, "w") as f:
-                json.dump({"step": step, "world_size": info.world, **meta, "files": files}, f,
-                          indent=1)
-                f.flush()
-                os.fsync(f.fileno())
+            atomic_write_json(marker, {"step": step, "world_size": info.world, **meta,
+                                       "files": files})
             fsync_path(tmp)
             if final.exists():  # a re-run of the same step after a resume: replace it
                 shutil.rmtree(final)

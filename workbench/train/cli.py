@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import secrets
 import signal
@@ -23,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from workbench._io import atomic_write_json, atomic_write_text
 from workbench.model.config import ModelConfigError
 from workbench.recipe import RecipeError
 from workbench.train.checkpointing import CheckpointError
@@ -206,9 +206,7 @@ def wandb_run_id(out: Path, *, resume: bool) -> str:
                              "delete the file to start a new wandb run")
         return run_id
     run_id = secrets.token_hex(8)  # wandb's own ids are lowercase alphanumerics too
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(run_id + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, run_id + "\n")
     return run_id
 
 
@@ -251,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
         if info.is_main:
             out = Path(cfg.out)
             out.mkdir(parents=True, exist_ok=True)
-            (out / "config.json").write_text(json.dumps(resolved, indent=1) + "\n")
+            atomic_write_json(out / "config.json", resolved)
             print("[train] config " + json.dumps(resolved, sort_keys=True), flush=True)
             logger = make_logger(cfg.wandb, rank=info.rank, project=cfg.project,
                                  group=cfg.run_group, name=cfg.run_name or Path(cfg.out).name,

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from workbench._io import atomic_write_json
 from workbench.train.data import PackedSplit
 from workbench.train.distributed import DistInfo
 from workbench.train.tokenizer import Tokenizer, TokenizerError, check_fits, load_tokenizer
@@ -312,7 +313,7 @@ def tokenize_sources(sources: list[Source], tok: Tokenizer, cache: Path, *, name
                   "records": n_records, "eos_id": tok.eos_id, "tokenizer": tok.path,
                   "tokenizer_digest": tok.digest,
                   "sources": [{"source": s.spec, "sha256": d} for s, d in zip(sources, digests)]}
-        (tmp / "header.json").write_text(json.dumps(header, indent=1) + "\n")
+        atomic_write_json(tmp / "header.json", header)
         if n_records == 0:
             raise DataError(f"{name} data {[s.spec for s in sources]}: empty dataset (no records)")
         try:

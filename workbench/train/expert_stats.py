@@ -27,13 +27,13 @@ Summary scalars per record, logged next to the loss: `expert_worst_rel_err`,
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from workbench._io import atomic_open
 from workbench.model.experts import GroupedExperts
 from workbench.model.router import TopKRouter
 from workbench.qat.telemetry import (
@@ -193,11 +193,8 @@ class ExpertStatsRecorder:
     def _write(self) -> None:
         import pandas as pd
 
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        pd.DataFrame(self.rows).to_parquet(tmp, index=False)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        with atomic_open(self.path, "wb") as f:
+            pd.DataFrame(self.rows).to_parquet(f, index=False)
 
 
 def read_expert_stats(run_dir: str | Path):

@@ -9,8 +9,9 @@ Two layouts:
   NVFP4: float8_e4m3fn [out, in/16]) plus, for NVFP4, `weight_global_scale` fp32 [1] in
   compressed-tensors' ENCODE direction (2688/amax, i.e. the reciprocal of the workbench's decode
   scale). Everything else stays BF16. `config.json` carries the `quantization_config` that
-  `ModelCompressor.update_config` writes, with `config_groups` targets and `ignore` taken from the
-  QuantScope (only the scope patterns that select an exported tensor are written). The weights
+  `ModelCompressor.update_config` writes, with `targets`/`ignore` in the style llm-compressor
+  writes for MoE models (`["Linear"]`; `ignore`: `lm_head`, the router gates `re:.*mlp.gate$` and
+  every other dense Linear), checked against the QuantScope and the packed set. The weights
   scheme is compressed-tensors' MXFP4A16 / NVFP4A16; a `+mxfp8` recipe adds the dynamic MXFP8
   `input_activations` of compressed-tensors' MXFP8 preset, so the export states what was trained.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,12 +34,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from workbench._io import atomic_write_json, fsync_path
 from workbench.formats import quantize
 from workbench.model.config import to_hf_config
 from workbench.model.experts import GroupedExperts
 from workbench.qat import convert, prepared_report
 from workbench.recipe import parse_qat_recipe
-from workbench.scope import QuantScope
+from workbench.scope import QuantScope, infer_class
 
 INDEX_FILE = "model.safetensors.index.json"
 CT_VERSION = "0.20.1"  # the compressed-tensors release whose on-disk layout this reproduces
@@ -159,35 +162,72 @@ def _dense_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _scope_patterns(scope, names: list[str], packed_modules: set[str]) -> tuple[list[str], list[str]]:
-    """CT targets/ignore from the scope; checks scope and packed set agree on every module."""
-    targets: list[str] = []
-    for name in names:
-        module = name.rpartition(".")[0]
+# What llm-compressor writes for an MoE model quantized as `QuantizationModifier(targets="Linear",
+# ignore=["lm_head", "re:.*mlp.gate$", ...])`: a class-name target, and every Linear that stays
+# dense named in `ignore`. compressed-tensors matches a class target against the loaded model's
+# modules (`compressed_tensors.utils.match.is_match`), so this holds for both layouts readers
+# build: per-expert `nn.Linear` (vLLM, the on-disk names) and transformers 5's fused
+# `Qwen3MoeExperts` (no Linear per expert; its experts are decoded by transformers' conversion
+# op, which takes a group whose targets are class names as the experts' group). A name regex
+# such as `re:.*experts\.\d+\.gate_proj$` matches no module of the fused model and makes
+# compressed-tensors log "Could not match" on every transformers load.
+CT_TARGETS = ["Linear"]
+# Always ignored, present on disk or not: a tied lm_head is stored once (as the embedding) but
+# transformers still builds an `lm_head` Linear, which the class target would otherwise select.
+CT_ALWAYS_IGNORE = ["lm_head"]
+_LAYER = re.compile(r"(?:.*\.)?layers\.\d+\.(?P<rest>.+)")
+
+
+def _ignore_entry(module: str) -> str:
+    """One `ignore` entry for a dense Linear, in llm-compressor's style: a per-layer module becomes
+    `re:.*<name inside the layer>$` (one entry covers every layer; dots unescaped as llm-compressor
+    writes them, harmless under the `$` anchor and checked below), anything else its exact name."""
+    m = _LAYER.fullmatch(module)
+    return f"re:.*{m['rest']}$" if m else module
+
+
+def ct_targets_ignore(scope, shapes: Mapping[str, tuple[int, ...]], packed_modules: set[str]
+                      ) -> tuple[list[str], list[str]]:
+    """`targets`/`ignore` for the export's tensors (`shapes`: on-disk name -> logical shape).
+
+    Checks first that `scope` and the packed set agree on every weight matrix (the exporter packs
+    exactly the routed experts), then that the written targets/ignore, read back under
+    compressed-tensors' matching rules (`QuantScope` reproduces them), select exactly the packed
+    modules among the on-disk Linears plus `lm_head`."""
+    linears: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        module, param = name.rpartition(".")[::2]
+        if param not in ("weight", "weight_packed"):
+            continue
         d = scope.decide(module + ".weight")
         if d.quantized != (module in packed_modules):
             raise ExportError(f"scope {scope.label!r} says {module} is "
                               f"{'quantized' if d.quantized else 'not quantized'} ({d.reason}), "
                               "but the packed export packs exactly the routed experts")
-        if d.quantized and d.target not in targets:
-            targets.append(d.target)
-    ignore = [p.text for p in scope.ignore]
-    return targets, ignore
+        if infer_class(module + ".weight", shape) == "Linear":
+            linears[module + ".weight"] = shape
+    dense = sorted({_ignore_entry(n.rpartition(".")[0]) for n in linears
+                    if n.rpartition(".")[0] not in packed_modules} - set(CT_ALWAYS_IGNORE))
+    # the router gate first, as llm-compressor's MoE examples list it
+    ignore = CT_ALWAYS_IGNORE + sorted(dense, key=lambda p: (not p.endswith("mlp.gate$"), p))
+    check = QuantScope.from_patterns(CT_TARGETS, ignore, label="export")
+    # a tied head has no tensor on disk, but transformers builds the Linear: check it too (the
+    # 2-D stand-in shape only tells the matcher it is a matrix)
+    lm_head = {"lm_head.weight": (2, 2)} if "lm_head.weight" not in linears else {}
+    for name, shape in {**linears, **lm_head}.items():
+        module = name.rpartition(".")[0]
+        d = check.decide(name, shape)
+        if d.quantized != (module in packed_modules):
+            raise ExportError(f"targets {CT_TARGETS} / ignore {ignore} would "
+                              f"{'quantize' if d.quantized else 'keep dense'} {module} "
+                              f"({d.reason}); the export packs exactly the routed experts")
+    return list(CT_TARGETS), ignore
 
 
 def _hf_config(model: nn.Module) -> dict:
     cfg = json.loads(to_hf_config(model.config).to_json_string())
     cfg["dtype"] = "bfloat16"
     return cfg
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a folder (a folder's fsync makes the renames inside it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def recover_swap(out_dir: str | Path) -> None:
@@ -250,7 +290,9 @@ def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
         dist.barrier(group=group)
     save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
     fsync_path(tmp / shard)
-    entry = (shard, sorted(tensors), sum(t.numel() * t.element_size() for t in tensors.values()))
+    # stored shapes travel with the names: the targets/ignore check needs to know what is a matrix
+    entry = (shard, {k: tuple(tensors[k].shape) for k in sorted(tensors)},
+             sum(t.numel() * t.element_size() for t in tensors.values()))
     entries = [entry]
     if group is not None:
         entries = [None] * world
@@ -258,23 +300,19 @@ def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
 
     if rank == 0:
         weight_map = {k: s for s, keys, _ in entries for k in keys}
+        shapes = {k: shape for _, keys, _ in entries for k, shape in keys.items()}
         hf_cfg = _hf_config(model)
         if fmt == "compressed-tensors":
             if scope is None:
                 scope = QuantScope.preset("routed-experts", str(wrecipe))
             packed_modules = {k.rpartition(".")[0] for k in weight_map if k.endswith(".weight_packed")}
-            modules = sorted({k.rpartition(".")[0] + ".weight" for k in weight_map
-                              if k.endswith((".weight", ".weight_packed"))})
-            targets, ignore = _scope_patterns(scope, modules, packed_modules)
+            targets, ignore = ct_targets_ignore(scope, shapes, packed_modules)
             hf_cfg["quantization_config"] = ct_quantization_config(
                 wrecipe.fmt, targets, ignore, None if arecipe is None else arecipe.fmt)
         index = {"metadata": {"total_size": sum(n for _, _, n in entries)},
                  "weight_map": dict(sorted(weight_map.items()))}
         for name, obj in ((INDEX_FILE, index), ("config.json", hf_cfg)):
-            with open(tmp / name, "w") as f:
-                json.dump(obj, f, indent=2, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
+            atomic_write_json(tmp / name, obj, indent=2, sort_keys=True)
         old = out_dir.parent / f".old-{out_dir.name}"
         recover_swap(out_dir)
         if out_dir.exists():

@@ -21,9 +21,7 @@ boundary the ranks all-reduce it; if any rank asked, all ranks write a DCP check
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
 import resource
 import time
 from collections.abc import Callable
@@ -32,6 +30,7 @@ from typing import Any
 
 import torch
 
+from workbench._io import atomic_write_json
 from workbench.train import checkpointing as ckpt
 from workbench.train import distill
 from workbench.train.build import build
@@ -206,15 +205,6 @@ def check_fresh_start(cfg: TrainConfig) -> None:
         check_resume_config(cfg)
 
 
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
           on_step: Callable[[dict], None] | None = None, return_model: bool = False):
     """Run (or resume) `cfg` on this rank; every rank calls it. Returns the result dict
@@ -244,7 +234,7 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
         truncate_metrics(out, start) if cfg.resume else (out / "metrics.jsonl").unlink(
             missing_ok=True)
     if info.is_main and corpus.info:
-        _write_json_atomic(out / DATA_JSON, corpus.info)
+        atomic_write_json(out / DATA_JSON, corpus.info)
     barrier(info)
     stats = None
     if cfg.stats_every:
@@ -324,6 +314,6 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
         if info.is_main and corpus.info:  # the export is usable with its own tokenizer
             copy_tokenizer(corpus.info["tokenizer"], path)
     if info.is_main:
-        _write_json_atomic(out / "result.json", result)
+        atomic_write_json(out / "result.json", result)
     barrier(info)
     return (result, model) if return_model else result

@@ -1,13 +1,17 @@
-"""`DIR/metrics.jsonl`: one JSON object per step, appended by rank 0, truncated on resume."""
+"""`DIR/metrics.jsonl`: one JSON object per step, appended by rank 0, truncated on resume.
+
+The trainer's side: the writer, the line rule and the resume truncation. Readers (notebooks,
+job handles, reports) use `workbench.track.read_metrics`, which parses with the same rule."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import warnings
 from pathlib import Path
 from typing import Any
+
+from workbench._io import atomic_open
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -80,23 +84,11 @@ class MetricsWriter:
         self._f.close()
 
 
-def read_metrics(out: str | Path) -> list[dict[str, Any]]:
-    """Every complete, valid line (see parse_metrics_lines); a torn last line is skipped."""
-    path = Path(out) / METRICS_FILE
-    if not path.is_file():
-        return []
-    return parse_metrics_lines(path)
-
-
 def truncate_metrics(out: str | Path, step: int) -> None:
     """Keep rows with step <= `step` (atomic rewrite), so a resumed curve has no duplicates."""
     path = Path(out) / METRICS_FILE
     if not path.is_file():
         return
-    keep = [r for r in read_metrics(out) if r["step"] <= step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    keep = [r for r in parse_metrics_lines(path) if r["step"] <= step]
+    with atomic_open(path) as f:
         f.writelines(json.dumps(r) + "\n" for r in keep)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -9,11 +9,11 @@ tokenizer, or an edited one, never reuses tokens it did not produce.
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from workbench._io import atomic_write_bytes
 
 # The files a Hugging Face tokenizer folder may hold (fast or slow, with chat templates).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -94,9 +94,7 @@ def copy_tokenizer(src: str | Path, dst: str | Path) -> list[str]:
     """Copy the tokenizer files next to an export (atomic per file); returns their names."""
     names = []
     for f in tokenizer_files(src):
-        tmp = Path(dst) / f".{f.name}.tmp"
-        shutil.copyfile(f, tmp)
-        os.replace(tmp, Path(dst) / f.name)
+        atomic_write_bytes(Path(dst) / f.name, f.read_bytes())
         names.append(f.name)
     return names
 

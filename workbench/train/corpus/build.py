@@ -13,11 +13,12 @@ validation, the rest training, so the split is by file and never leaks text acro
 from __future__ import annotations
 
 import hashlib
-import json
 import lzma
 import shutil
 import sys
 from pathlib import Path
+
+from workbench._io import atomic_write_bytes, atomic_write_json
 
 HERE = Path(__file__).resolve().parent
 CORPUS_FILE = "cpython311_stdlib.txt.xz"
@@ -49,8 +50,8 @@ def build(stdlib: Path, out: Path = HERE) -> dict:
         "sha256": hashlib.sha256(bytes(blob)).hexdigest(),
         "files": files,
     }
-    (out / CORPUS_FILE).write_bytes(lzma.compress(bytes(blob), preset=9 | lzma.PRESET_EXTREME))
-    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+    atomic_write_bytes(out / CORPUS_FILE, lzma.compress(bytes(blob), preset=9 | lzma.PRESET_EXTREME))
+    atomic_write_json(out / MANIFEST_FILE, manifest)
     shutil.copyfile(stdlib / "LICENSE.txt", out / LICENSE_FILE)
     return manifest
 

@@ -1,0 +1,85 @@
+"""Atomic file writes: the one helper every writer of a file that readers may open uses.
+
+A reader (a resumed trainer, a notebook, a watcher polling a job) must see either the previous
+complete file or the new complete one, never a prefix, even if the writer is SIGKILLed or the
+node loses power. The recipe, in this order:
+
+1. write a temporary file in the *same folder* (a rename is atomic only within one filesystem);
+   its name is unique (`mkstemp`), so two processes writing the same path cannot collide, and it
+   starts with a dot, so globs for the real files skip it;
+2. flush and fsync the temporary file (else the rename can reach the disk before the data, and a
+   power loss leaves the new name over an empty file);
+3. `os.replace` it over the target (atomic on POSIX);
+4. fsync the folder, which makes the rename itself durable.
+
+If the write fails before the rename, the temporary file is removed and the old file is intact.
+This module sits below every package (the `_io` layer, docs/architecture.md) and imports only
+the standard library, so `workbench.launch` stays torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["atomic_open", "atomic_write_bytes", "atomic_write_json", "atomic_write_text",
+           "fsync_path"]
+
+
+def fsync_path(path: str | Path) -> None:
+    """fsync a file or a folder (a folder's fsync makes the renames inside it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_open(path: str | Path, mode: str = "w", *, encoding: str | None = "utf-8"
+                ) -> Iterator[IO[Any]]:
+    """Open a temporary sibling of `path` for writing; on a clean exit fsync it, rename it over
+    `path` and fsync the folder. On an exception nothing is renamed: the old `path` stays as it
+    was and the temporary file is removed. `mode` is "w" (text) or "wb"."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_open writes whole files: mode 'w' or 'wb', got {mode!r}")
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_path(path.parent)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+    return Path(path)
+
+
+def atomic_write_text(path: str | Path, text: str, *, encoding: str = "utf-8") -> Path:
+    with atomic_open(path, "w", encoding=encoding) as f:
+        f.write(text)
+    return Path(path)
+
+
+def atomic_write_json(path: str | Path, obj: Any, *, indent: int | None = 1,
+                      sort_keys: bool = False, default: Callable[[Any], Any] | None = None) -> Path:
+    """`json.dumps(obj)` plus a final newline, written atomically. The text is built before the
+    temporary file is opened, so an object that does not serialise leaves no trace at all."""
+    text = json.dumps(obj, indent=indent, sort_keys=sort_keys, default=default) + "\n"
+    return atomic_write_text(path, text)
