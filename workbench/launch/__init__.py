@@ -10,7 +10,7 @@
 
 from .handle import TERMINAL, JobFailedError, JobHandle, LaunchError
 from .metrics import read_metrics
-from .spec import LaunchSpec, LaunchSpecError, ep4, ep8, local
+from .spec import LaunchSpec, LaunchSpecError, ep4, ep4x2_fsdp, ep8, local
 from .submit import make_executor, submit, sweep
 from .watch import curves, status, watch
 
@@ -26,6 +26,7 @@ __all__ = [
            "attach",
            "curves",
            "ep4",
+           "ep4x2_fsdp",
            "ep8",
            "local",
            "make_executor",
