@@ -4,11 +4,13 @@ Oracle for the losses: the EP1 run (one process, no FSDP) on the same global bat
 layout trains the same function of the same data; what differs is only the order of float
 sums: the mean over ranks of per-rank mean losses instead of one mean, gradients summed by a
 reduce-scatter or all-reduce instead of one backward, the grad norm summed from shards. In fp32
-that moves the 4-step tiny losses by ~1e-7 relative (measured: at most 5e-8 at world 2 and 4),
-so 1e-5 relative (the tolerance the EP tests of test_train_e2e.py use) leaves room for a noisy
-kernel and still fails on any semantic error: a wrong gradient factor (1/dp instead of 1/W on the
-experts) moves step 2's loss by ~1e-3, a grad norm that counts shards twice changes step 1's
-`grad_norm` by 40% and, through clipping, every later loss.
+that moves the 4-step tiny losses and grad norms by ~1e-8 relative (seen at world 2 and 4), so
+1e-5 relative (the tolerance the EP tests of test_train_e2e.py use) leaves room for a noisy
+kernel and still fails on the semantic errors it guards, measured by mutating the code at EP2 x
+FSDP2 (world 4): an expert gradient factor of 1/dp instead of 1/W puts step 1's `grad_norm` 0.3%
+high (AdamW and clipping hide it from the loss: step 3 moves by 2e-7, which is why `grad_norm`
+is compared too); a grad norm that sums only this rank's FSDP shards is 43% low at step 1 and,
+through clipping, moves the step-3 loss by 5e-4.
 
 Resume at the same layout must be bitwise (==), as in test_resume.py. Resume at another layout
 continues the run with losses within the same 1e-5 of the uninterrupted run: the checkpoint
@@ -219,3 +221,39 @@ def test_world4_resume_ep2xfsdp2_bitwise_then_at_ep4(tmp_path, reference_runs):
     shutil.rmtree(out / "checkpoints" / f"step_{STEPS:08d}")  # again from step 2, at EP4
     run(4, [*args, "--ckpt-every", "0", "--resume"])
     _close(reference_runs(1, "bf16", STEPS), metrics(out))
+
+
+# ---------------------------------------------------------------------------------------------
+# World 1 with --fsdp (the H200 job's layout) and the launch check.
+
+
+def test_world1_fsdp_trains_like_ep1_and_resumes_bitwise(tmp_path, reference_runs):
+    """--fsdp in one process makes a one-rank group; the run is EP1's, and its checkpoint (FSDP
+    DTensors saved without a process group) resumes bit for bit."""
+    out = tmp_path / "run"
+    args = [*BASE, "--out", str(out), "--fsdp"]
+    run(1, [*args, "--ckpt-every", "2"])
+    whole = metrics(out)
+    _close(reference_runs(1, "bf16", STEPS), whole)
+    shutil.rmtree(out / "checkpoints" / f"step_{STEPS:08d}")
+    run(1, [*args, "--ckpt-every", "0", "--resume"])
+    assert [(r["loss"], r["grad_norm"]) for r in metrics(out)] == \
+        [(r["loss"], r["grad_norm"]) for r in whole]
+
+
+def test_launch_check_plans_fsdp_layouts_as_sharded():
+    from workbench.launch import LaunchSpec
+    from workbench.launch.fits import plan_for
+
+    kw = {"preset": "qwen3_30b_a3b_like", "recipe": "mxfp4", "executor": "slurm",
+          "trainer_args": ("--batch", "8", "--seq", "512")}
+    ep_only = plan_for(LaunchSpec(ep=2, gpus_per_node=2, **kw))
+    fsdp = plan_for(LaunchSpec(ep=1, dp=2, fsdp=True, gpus_per_node=2, **kw))
+    ep2_fsdp = plan_for(LaunchSpec(ep=2, fsdp=True, gpus_per_node=2, **kw))
+    assert (ep_only.layout.sharded, fsdp.layout.sharded, ep2_fsdp.layout.sharded) == \
+        (False, True, True)
+    assert (fsdp.layout.ep, fsdp.layout.fsdp) == (1, 2)
+    # Dense parameters sharded over both ranks: fewer master bytes than the replicated layout.
+    assert ep2_fsdp.memory.masters < ep_only.memory.masters
+    assert "(EP2 +FSDP)" in str(ep2_fsdp) and "(EP1 x FSDP2)" in str(fsdp)
+    assert "not in the trainer" not in str(fsdp)

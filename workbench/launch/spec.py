@@ -88,7 +88,8 @@ class LaunchSpec:
     `signal_delay_s` before `time_min` runs out, time to finish a step and save a checkpoint (Slurm
     may send it up to a minute earlier); it then requeues, at most `max_requeues` times.
     `deterministic` passes `--deterministic` to the trainer and puts the cuBLAS workspace setting
-    in every rank's environment (docs/determinism.md).
+    in every rank's environment (docs/determinism.md). `dp` and `fsdp`: the layout, world =
+    ep x dp (`--ep ep --fsdp` for the trainer when `fsdp`; docs/fsdp.md).
 
     A real checkpoint (docs/real-checkpoint.md): `preset=None` with `init=CKPT` builds the model
     from `CKPT/config.json` and tokenizes with the checkpoint's tokenizer (`tokenizer` overrides
