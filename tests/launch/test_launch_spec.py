@@ -169,3 +169,31 @@ def test_bad_real_data_specs_fail_at_construction(kwargs, words, tmp_path, monke
     monkeypatch.chdir(tmp_path)
     with pytest.raises(LaunchSpecError, match=words):
         LaunchSpec(**kwargs)
+
+
+def test_fsdp_layouts_shape_the_world_and_reach_the_trainer(tmp_path):
+    from workbench.launch import ep4x2_fsdp
+    from workbench.train.cli import config_from_args
+
+    s = ep4x2_fsdp(preset="tiny")
+    assert (s.nodes, s.tasks_per_node, s.ep, s.dp, s.world_size) == (2, 4, 4, 2, 8)
+    assert "ep4x2-fsdp" in s.name
+    cfg = config_from_args(s.trainer_argv(tmp_path))
+    assert (cfg.ep, cfg.fsdp) == (4, True)
+    cfg.check_world(s.world_size)  # the trainer accepts the layout at the spec's world size
+    plain = config_from_args(LaunchSpec(ep=4, nodes=1, executor="slurm").trainer_argv(tmp_path))
+    assert (plain.ep, plain.fsdp) == (None, False)  # EP = world, as before
+    assert LaunchSpec.from_json(s.to_json()) == s
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"ep": 2, "dp": 2, "executor": "slurm"}, "needs fsdp"),
+    ({"ep": 2, "dp": 2, "fsdp": True, "nodes": 2, "tasks_per_node": 4, "executor": "slurm"},
+     "world size"),
+    ({"ep": 3, "dp": 1, "fsdp": True, "nodes": 2, "executor": "slurm"}, "split evenly"),
+    ({"fsdp": 1}, "fsdp must be a bool"),
+    ({"dp": 0}, "dp must be a positive int"),
+])
+def test_bad_fsdp_specs_raise_typed_errors(kwargs, words):
+    with pytest.raises(LaunchSpecError, match=words):
+        LaunchSpec(**kwargs)

@@ -9,7 +9,7 @@
 """
 
 from .handle import TERMINAL, JobFailedError, JobHandle, LaunchError
-from .spec import LaunchSpec, LaunchSpecError, ep4, ep8, local
+from .spec import LaunchSpec, LaunchSpecError, ep4, ep4x2_fsdp, ep8, local
 from .submit import make_executor, submit, sweep
 from .watch import curves, status, watch
 
@@ -25,6 +25,7 @@ __all__ = [
            "attach",
            "curves",
            "ep4",
+           "ep4x2_fsdp",
            "ep8",
            "local",
            "make_executor",

@@ -24,8 +24,8 @@ def plan_for(spec: LaunchSpec) -> Plan | None:
         mcfg = model_config_of(cfg.init if cfg.init else cfg.preset)
         mcfg = mcfg.replace(max_seq_len=max(cfg.seq, mcfg.max_seq_len))
         return plan(mcfg, spec.nodes, spec.tasks_per_node, spec.gpu_mem_gib, batch=cfg.batch,
-                    seq=cfg.seq, ep=spec.ep, act_ckpt=cfg.activation_checkpointing,
-                    qat=cfg.recipe != "bf16")
+                    seq=cfg.seq, ep=spec.ep, fsdp=spec.dp, fsdp_on=cfg.fsdp,
+                    act_ckpt=cfg.activation_checkpointing, qat=cfg.recipe != "bf16")
     except PlanError as e:
         raise LaunchSpecError(f"LaunchSpec: {e}") from None
 

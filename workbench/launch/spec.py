@@ -1,8 +1,11 @@
 """What to launch: a typed, validated launch spec and its presets.
 
 A `LaunchSpec` says which trainer run to start (preset, recipe, steps, seed...) and where
-(executor, nodes x tasks, GPUs, partition, time). `ep` is the expert-parallel size, which for the
-workbench trainer is the world size: `ep == nodes * tasks_per_node`.
+(executor, nodes x tasks, GPUs, partition, time). `ep` is the expert-parallel size and `dp` the
+expert-data-parallel degree: the world size is `ep * dp == nodes * tasks_per_node` (EP groups are
+contiguous rank blocks, so EP4 x 2 over two nodes of 4 keeps each EP group on one node). `dp > 1`
+needs `fsdp` (FSDP2 shards the dense parameters over the world, the experts over dp; the
+trainer's `--ep N --fsdp`). The defaults (dp 1, no FSDP) are the trainer's EP = world layout.
 """
 
 from __future__ import annotations
@@ -85,7 +88,8 @@ class LaunchSpec:
     `signal_delay_s` before `time_min` runs out, time to finish a step and save a checkpoint (Slurm
     may send it up to a minute earlier); it then requeues, at most `max_requeues` times.
     `deterministic` passes `--deterministic` to the trainer and puts the cuBLAS workspace setting
-    in every rank's environment (docs/determinism.md).
+    in every rank's environment (docs/determinism.md). `dp` and `fsdp`: the layout, world =
+    ep x dp (`--ep ep --fsdp` for the trainer when `fsdp`; docs/fsdp.md).
 
     A real checkpoint (docs/real-checkpoint.md): `preset=None` with `init=CKPT` builds the model
     from `CKPT/config.json` and tokenizes with the checkpoint's tokenizer (`tokenizer` overrides
@@ -123,6 +127,8 @@ class LaunchSpec:
     signal_delay_s: int = 90
     deterministic: bool = True
     activation_checkpointing: str = "off"
+    dp: int = 1  # expert-data-parallel degree: world = ep x dp (dp > 1 needs fsdp)
+    fsdp: bool = False  # the trainer's --fsdp
     gpu_mem_gib: float = 141.0  # per GPU, for the memory check (H200: 141)
     skip_memory_check: bool = False
     data: tuple[str, ...] = ()
@@ -134,7 +140,7 @@ class LaunchSpec:
         def bad(msg: str) -> None:
             raise LaunchSpecError(f"LaunchSpec: {msg}")
 
-        for name in ("steps", "ep", "nodes", "cpus_per_task", "time_min"):
+        for name in ("steps", "ep", "dp", "nodes", "cpus_per_task", "time_min"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 bad(f"{name} must be a positive int, got {v!r}")
@@ -185,23 +191,30 @@ class LaunchSpec:
         if self.activation_checkpointing not in ("off", "full", "selective"):
             bad(f"activation_checkpointing must be off, full or selective, got "
                 f"{self.activation_checkpointing!r}")
+        if not isinstance(self.fsdp, bool):
+            bad(f"fsdp must be a bool, got {self.fsdp!r}")
+        if self.dp > 1 and not self.fsdp:
+            bad(f"dp={self.dp} > 1 (ep {self.ep} < world {self.ep * self.dp}) needs fsdp=True: "
+                "experts replicated over data-parallel ranks run only under FSDP2")
         if not isinstance(self.gpu_mem_gib, (int, float)) or not self.gpu_mem_gib > 0:
             bad(f"gpu_mem_gib must be a positive number, got {self.gpu_mem_gib!r}")
         if self.ckpt_every is not None and (not isinstance(self.ckpt_every, int)
                                             or self.ckpt_every < 1):
             bad(f"ckpt_every must be a positive int or None, got {self.ckpt_every!r}")
 
+        world = self.ep * self.dp
+        what = f"ep={self.ep}" if self.dp == 1 else f"ep x dp = {self.ep} x {self.dp} = {world}"
         tpn = self.tasks_per_node
         if tpn is None:
-            if self.ep % self.nodes:
-                bad(f"ep={self.ep} ranks cannot be split evenly over nodes={self.nodes}; "
-                    "pass tasks_per_node or change ep/nodes")
-            tpn = self.ep // self.nodes
+            if world % self.nodes:
+                bad(f"{what} ranks cannot be split evenly over nodes={self.nodes}; "
+                    "pass tasks_per_node or change ep/dp/nodes")
+            tpn = world // self.nodes
             object.__setattr__(self, "tasks_per_node", tpn)
         if not isinstance(tpn, int) or isinstance(tpn, bool) or tpn < 1:
             bad(f"tasks_per_node must be a positive int, got {tpn!r}")
-        if self.nodes * tpn != self.ep:
-            bad(f"ep ({self.ep}) is the world size and must equal nodes x tasks_per_node "
+        if self.nodes * tpn != world:
+            bad(f"{what} is the world size and must equal nodes x tasks_per_node "
                 f"({self.nodes} x {tpn} = {self.nodes * tpn})")
         if self.gpus_per_node and tpn > self.gpus_per_node:
             bad(f"with GPUs every rank needs its own GPU: tasks_per_node ({tpn}) > "
@@ -229,7 +242,7 @@ class LaunchSpec:
 
     @property
     def world_size(self) -> int:
-        return self.ep
+        return self.ep * self.dp
 
     @property
     def name(self) -> str:
@@ -237,7 +250,9 @@ class LaunchSpec:
         recipe = self.recipe if self.profile is None else f"{self.recipe}-{self.profile}"
         recipe = recipe.replace(":", "-")  # "mxfp4:floor": no ':' in folder or job names
         model = self.preset if self.preset is not None else _NAME_SAFE.sub("_", Path(self.init).name)
-        parts = [model, recipe, f"ep{self.ep}", f"s{self.seed}"]
+        layout = f"ep{self.ep}" + (f"x{self.dp}" if self.dp > 1 else "") + \
+            ("-fsdp" if self.fsdp else "")
+        parts = [model, recipe, layout, f"s{self.seed}"]
         return "-".join(parts)
 
     def trainer_argv(self, out_dir: str | Path) -> list[str]:
@@ -266,6 +281,8 @@ class LaunchSpec:
         argv += ["--deterministic" if self.deterministic else "--no-deterministic"]
         if self.activation_checkpointing != "off":
             argv += ["--activation-checkpointing", self.activation_checkpointing]
+        if self.fsdp:  # without FSDP the trainer's default (EP = world) is this spec's layout
+            argv += ["--ep", str(self.ep), "--fsdp"]
         return argv + list(self.trainer_args)
 
     def to_json(self) -> dict:
@@ -304,3 +321,10 @@ def ep4(**overrides) -> LaunchSpec:
 def ep8(**overrides) -> LaunchSpec:
     """EP8: two nodes x 4 ranks on Slurm."""
     return LaunchSpec(**{"executor": "slurm", "ep": 8, "nodes": 2, **overrides})
+
+
+def ep4x2_fsdp(**overrides) -> LaunchSpec:
+    """EP4 x FSDP2: two nodes x 4 ranks on Slurm, one EP group per node, experts FSDP-sharded
+    over the two nodes, dense parameters over all 8 ranks."""
+    return LaunchSpec(**{"executor": "slurm", "ep": 4, "dp": 2, "fsdp": True, "nodes": 2,
+                         **overrides})

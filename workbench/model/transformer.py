@@ -91,6 +91,10 @@ class MoEForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.model.rotary_emb.reset_inv_freq()
         self.ep_group: dist.ProcessGroup | None = None
+        # The ranks whose concatenated batch the load-balancing loss describes; None: ep_group.
+        # When EP < the data-parallel world (FSDP layouts), the trainer sets the whole world, so
+        # the aux loss is the one of the global batch at every layout (what EP1 computes).
+        self.balance_group: dist.ProcessGroup | None = None
         if ep_group is not None:
             from workbench.model.parallel import install_expert_parallel
             install_expert_parallel(self, ep_group)
@@ -137,7 +141,8 @@ class MoEForCausalLM(nn.Module):
                 router_logits.append(logits_TE)
         logits_BSV = self.lm_head(self.model.norm(h_BSD))
 
-        aux = (load_balancing_loss(router_logits, cfg.num_experts, cfg.top_k, self.ep_group)
+        balance = self.balance_group if self.balance_group is not None else self.ep_group
+        aux = (load_balancing_loss(router_logits, cfg.num_experts, cfg.top_k, balance)
                if router_logits else None)
         ce = loss = None
         if labels_BS is not None:

@@ -16,6 +16,7 @@ Contract (outside checks rely on it):
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -73,9 +74,28 @@ class GroupedSeam:
     def __init__(self, weights: list[tuple[nn.Parameter, Recipe | None]], act: Recipe | None):
         self.weights = weights
         self.act = act
+        self._by_name: tuple[weakref.ref, list[tuple[str, Recipe | None]]] | None = None
+
+    def match_by_name(self, module: nn.Module) -> None:
+        """Match weights by the module attribute they sit in, not by identity: for wrappers
+        that swap the registered parameters on purpose (FSDP2 registers the sharded DTensor
+        between steps and the all-gathered parameter during forward; workbench.train.fsdp).
+        The weight passed in must still be one of `module`'s current parameters."""
+        names = {id(p): n for n, p in module.named_parameters(recurse=False)}
+        missing = [tuple(p.shape) for p, _ in self.weights if id(p) not in names]
+        if missing:
+            raise RuntimeError(f"match_by_name: weights of shape {missing} are no longer "
+                               "parameters of the module; was a parameter replaced after prepare?")
+        self._by_name = (weakref.ref(module), [(names[id(p)], r) for p, r in self.weights])
 
     def __call__(self, x_TD: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor, *,
                  end: int | None = None) -> torch.Tensor:
+        if self._by_name is not None:
+            ref, named = self._by_name
+            module = ref()
+            for name, recipe in named:
+                if module is not None and getattr(module, name) is w_EOI:
+                    return grouped_mm(x_TD, w_EOI, offs, weight=recipe, act=self.act, end=end)
         for p, recipe in self.weights:
             if p is w_EOI:
                 return grouped_mm(x_TD, w_EOI, offs, weight=recipe, act=self.act, end=end)

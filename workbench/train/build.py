@@ -14,7 +14,8 @@ from workbench.model import MoEForCausalLM, from_checkpoint, preset
 from workbench.qat import prepare
 from workbench.train.act_ckpt import apply_activation_checkpointing
 from workbench.train.config import TrainConfig
-from workbench.train.distributed import DistInfo
+from workbench.train.distributed import DistInfo, Layout, make_layout
+from workbench.train.fsdp import apply_fsdp
 from workbench.train.init import load_init
 
 # The routed experts are what QAT fake-quantizes and what the packed export packs; attention,
@@ -28,6 +29,7 @@ class Built:
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
     qat_report: Any  # workbench.qat's report, None for bf16
+    layout: Layout | None = None  # None: built by a caller that predates layouts (EP = world)
 
 
 def lr_factor(i: int, *, warmup: int, steps: int, min_ratio: float) -> float:
@@ -45,22 +47,31 @@ def model_config(cfg: TrainConfig):
     return mcfg.replace(max_seq_len=max(cfg.seq, mcfg.max_seq_len))
 
 
-def build_model(cfg: TrainConfig, info: DistInfo, *, overwritten: bool = False) -> nn.Module:
+def build_model(cfg: TrainConfig, info: DistInfo, *, overwritten: bool = False,
+                layout: Layout | None = None) -> nn.Module:
     """`overwritten`: every parameter is about to be loaded (--init or a checkpoint), so the
     seeded initialisation (drawn on CPU, seconds per billion parameters) is skipped and the
-    parameters are left uninitialised; the loaders fail on any tensor they cannot fill."""
+    parameters are left uninitialised; the loaders fail on any tensor they cannot fill.
+    `layout`: the EP group the experts are sliced over (default: EP size = world size)."""
     mcfg = model_config(cfg)
-    if mcfg.num_experts % info.world:
+    ep = layout.ep if layout is not None else info.world
+    ep_group = layout.ep_group if layout is not None else info.group
+    if mcfg.num_experts % ep:
         what = f"preset {cfg.preset!r}" if cfg.preset else f"--init {cfg.init}"
+        how = "TrainConfig.ep" if cfg.ep is not None else "EP size = world size"
         raise ValueError(f"{what} has {mcfg.num_experts} experts, which do not "
-                         f"split over EP size {info.world} (EP size = world size)")
+                         f"split over EP size {ep} ({how})")
     if not overwritten:
-        return MoEForCausalLM(mcfg, seed=cfg.seed, ep_group=info.group, device=info.device,
-                              dtype=torch.float32)
-    # On the meta device the model skips reset_parameters (see MoEForCausalLM.__init__).
-    model = MoEForCausalLM(mcfg, seed=cfg.seed, ep_group=info.group, device="meta",
-                           dtype=torch.float32)
-    return materialize_(model, info.device)
+        model = MoEForCausalLM(mcfg, seed=cfg.seed, ep_group=ep_group, device=info.device,
+                               dtype=torch.float32)
+    else:
+        # On the meta device the model skips reset_parameters (see MoEForCausalLM.__init__).
+        model = materialize_(MoEForCausalLM(mcfg, seed=cfg.seed, ep_group=ep_group,
+                                            device="meta", dtype=torch.float32), info.device)
+    if layout is not None and layout.dp > 1:
+        # The aux loss of the global batch, as at EP1 (MoEForCausalLM.balance_group).
+        model.balance_group = info.group
+    return model
 
 
 def materialize_(model: nn.Module, device: torch.device) -> nn.Module:
@@ -96,10 +107,15 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig):
 
 def build(cfg: TrainConfig, info: DistInfo, *, resuming: bool = False) -> Built:
     """`resuming`: a checkpoint will overwrite every weight, so --init is not read."""
-    model = build_model(cfg, info, overwritten=resuming or bool(cfg.init))
+    cfg.check_world(info.world)
+    layout = make_layout(info, cfg.ep, cfg.fsdp)
+    model = build_model(cfg, info, overwritten=resuming or bool(cfg.init), layout=layout)
     if cfg.init and not resuming:
-        load_init(cfg.init, model, info)
+        load_init(cfg.init, model, info)  # before FSDP: into the plain EP-local tensors
     report = prepare_qat(model, cfg)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    if layout.fsdp:
+        apply_fsdp(model, layout, info.device)  # replaces the parameters by DTensor shards
+    model.layout = layout  # read by the loop (gradient reduction) and checkpointing (resharding)
     opt, sched = build_optimizer(model, cfg)
-    return Built(model, opt, sched, report)
+    return Built(model, opt, sched, report, layout)

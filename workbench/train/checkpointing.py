@@ -26,6 +26,10 @@ the ranks' pieces; a checkpoint therefore also loads under another EP size. Repl
 tensors are written once (DCP deduplicates them). Everything in the state dict is a tensor, so
 the reader refuses DCP's pickled-object entries outright. RNG states are per rank under
 `rng/rank{r}/...` and are restored only when the world size matches.
+
+Under FSDP the same keys hold the same global tensors (see `_expert_wrapper`), so a checkpoint
+saved at one layout (EP size, FSDP or not, world size) loads at any other: DCP reads, for each
+rank, the piece of each global tensor that rank holds.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from workbench._io import atomic_write_json, fsync_path
 from workbench.checkpoint import errors as reader_errors
 from workbench.checkpoint.dcp_metadata import SafeFileSystemReader
 from workbench.train.distributed import DistInfo, barrier
+from workbench.train.fsdp import EXPERT_DIM, reshard_
 
 COMPLETE = "COMPLETE"
 _STEP_RE = re.compile(r"^step_(\d{8})$")
@@ -223,8 +228,19 @@ def verify(found: Found, info: DistInfo) -> bool:
 
 
 def _expert_wrapper(info: DistInfo, model: nn.Module):
+    """name, tensor -> what the state dict holds for it: the same global tensor at every layout.
+
+    Without FSDP: dense tensors as they are (replicated), expert stacks as DTensor Shard(0) over
+    a 1-D mesh of the world (EP = world). Under FSDP (workbench.train.fsdp) dense tensors are
+    already DTensors over the world, saved as they are; an expert stack is FSDP's Shard(1) over
+    the "dp" mesh of an EP slice, which is re-described over the 2-D (dp, ep) mesh as
+    (Shard(1), Shard(0)) of the global [E, ...] stack. Every wrap is a view of the rank's own
+    storage (`from_local(run_check=False)` adds no copy, no collective), so DCP loads in place."""
     from workbench.model.parallel import is_expert_param
 
+    layout = getattr(model, "layout", None)
+    if layout is not None and layout.fsdp:
+        return _fsdp_wrapper(model, layout)
     if info.group is None:
         return lambda name, t: t
     from torch.distributed.device_mesh import init_device_mesh
@@ -243,6 +259,29 @@ def _expert_wrapper(info: DistInfo, model: nn.Module):
     return wrap
 
 
+def _fsdp_wrapper(model: nn.Module, layout):
+    from torch.distributed.tensor import DTensor, Shard
+
+    from workbench.model.parallel import is_expert_param
+
+    def wrap(name: str, t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, DTensor):
+            raise TypeError(f"{name} is a plain tensor under FSDP (not sharded: was "
+                            "apply_fsdp run on this model?)")
+        if not is_expert_param(model, name):
+            return t  # FSDP's Shard(0) over the world mesh: a global tensor already
+        if t.placements != (Shard(EXPERT_DIM),):
+            raise RuntimeError(f"{name} is placed {t.placements} under FSDP, expected "
+                               f"Shard({EXPERT_DIM}) over dp")
+        local_shape = tuple(t.shape)  # the EP slice [E/ep, ...] (the DTensor's global shape)
+        shape = (local_shape[0] * layout.ep, *local_shape[1:])
+        return DTensor.from_local(t.to_local(), layout.mesh, [Shard(EXPERT_DIM), Shard(0)],
+                                  run_check=False, shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride())
+
+    return wrap
+
+
 def ensure_optimizer_state(opt: torch.optim.Optimizer) -> None:
     """Create AdamW's per-parameter state as `AdamW._init_group` does, so a load can fill it."""
     for group in opt.param_groups:
@@ -256,6 +295,9 @@ def ensure_optimizer_state(opt: torch.optim.Optimizer) -> None:
 
 def state_dict(model: nn.Module, opt: torch.optim.Optimizer, sched, step: int,
                info: DistInfo) -> dict[str, torch.Tensor]:
+    layout = getattr(model, "layout", None)
+    if layout is not None and layout.fsdp:
+        reshard_(model)  # the shards, not parameters a no-grad forward left gathered
     wrap = _expert_wrapper(info, model)
     ensure_optimizer_state(opt)
     sd: dict[str, torch.Tensor] = {}

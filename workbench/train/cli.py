@@ -5,6 +5,7 @@
         [--wandb offline|online|disabled] [--run-group G] [--val-every N] [--batch B] [--seq S] \\
         [--lr LR] [--profile P] [--keep K] [--[no-]deterministic] \\
         [--activation-checkpointing full|selective] [--expert-stats-every N] \\
+        [--ep N] [--fsdp] \\
         [--allow-config-change steps,lr,...]
 
 Runs as one process without torchrun too. Flags left out keep the preset's value.
@@ -49,7 +50,7 @@ _OVERRIDES = {"steps": "steps", "seed": "seed", "ckpt_every": "ckpt_every", "val
               "activation_checkpointing": "activation_checkpointing",
               "expert_stats_every": "expert_stats_every", "tokenizer": "tokenizer",
               "token_cache": "token_cache", "kd_temperature": "kd_temperature",
-              "kd_weight": "kd_weight", "ce_weight": "ce_weight"}
+              "kd_weight": "kd_weight", "ce_weight": "ce_weight", "ep": "ep", "fsdp": "fsdp"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -105,6 +106,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--activation-checkpointing", choices=ACT_CKPT_MODES,
                    help="recompute each decoder layer in backward: full, or selective (keep the "
                         "matmul/attention outputs); default off")
+    p.add_argument("--ep", type=int, metavar="N",
+                   help="expert-parallel size (default: the world size); N < world needs --fsdp")
+    p.add_argument("--fsdp", action="store_true", default=None,
+                   help="FSDP2: shard dense parameters over all ranks, experts over the ranks "
+                        "that hold the same experts (docs/fsdp.md)")
     p.add_argument("--expert-stats-every", type=int,
                    help="steps between per-expert quantization records in OUT/expert_stats.parquet"
                         " (default: at each validation; 0: off)")
@@ -143,7 +149,7 @@ _VALUE_FLAGS = (("steps", "--steps"), ("seed", "--seed"), ("ckpt_every", "--ckpt
                 ("kd_weight", "--kd-weight"), ("ce_weight", "--ce-weight"),
                 ("wandb", "--wandb"), ("run_group", "--run-group"), ("run_name", "--run-name"),
                 ("project", "--project"), ("activation_checkpointing", "--activation-checkpointing"),
-                ("expert_stats_every", "--expert-stats-every"))
+                ("expert_stats_every", "--expert-stats-every"), ("ep", "--ep"))
 
 
 def trainer_argv(cfg: TrainConfig) -> list[str]:
@@ -157,7 +163,8 @@ def trainer_argv(cfg: TrainConfig) -> list[str]:
         if v is not None:
             argv += [flag, repr(v) if isinstance(v, float) else str(v)]
     argv.append("--deterministic" if cfg.deterministic else "--no-deterministic")
-    for flag, on in (("--resume", cfg.resume), ("--distill", cfg.distill)):
+    for flag, on in (("--resume", cfg.resume), ("--distill", cfg.distill),
+                     ("--fsdp", cfg.fsdp)):
         if on:
             argv.append(flag)
     for path in cfg.data:
@@ -237,13 +244,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     cfg = config_from_args(argv)
     enable_determinism(cfg.deterministic)  # before CUDA / cuBLAS start (set_device, first matmul)
-    info = distributed.setup()
+    info = distributed.setup(single_rank_group=cfg.fsdp)
     try:
         cfg.check_world(info.world)
         # Before config.json and a fresh wandb run id replace those a --resume of the run in
         # `out` would need (train() checks again, for callers that skip main).
         check_fresh_start(cfg)
-        resolved = {**cfg.to_dict(), "world_size": info.world, "ep_size": info.world,
+        resolved = {**cfg.to_dict(), "world_size": info.world, "ep_size": cfg.ep_size(info.world),
                     "device": str(info.device)}
         logger = None
         if info.is_main:

@@ -3,6 +3,12 @@
 `batch` is the GLOBAL batch in sequences: every EP size trains on the same global batch and rank r
 takes rows [r*batch/W, (r+1)*batch/W) (see `workbench.train.data`), so `batch` must be a multiple
 of the world size.
+
+Layout (`ep`, `fsdp`; `workbench.train.distributed.Layout`): world = ep x dp. `ep=None` is EP size =
+world size (every rank holds a replica of the dense parameters, no FSDP). With `fsdp`, FSDP2 shards
+the dense parameters over all ranks and the experts over the dp ranks that hold the same experts.
+EP < world needs `fsdp`: replicated experts without FSDP are not supported (one way to run them).
+The layout is not training semantics: a `--resume` may change it (the checkpoint reshards).
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ class TrainConfig:
     # Bitwise-reproducible GPU runs (workbench.train.determinism, docs/determinism.md).
     deterministic: bool = True  # 0.8% of the GPU step (docs/determinism.md), so on by default
     activation_checkpointing: str = "off"  # off | full | selective (workbench.train.act_ckpt)
+    ep: int | None = None  # expert-parallel size; None: the world size (see the module doc)
+    fsdp: bool = False  # FSDP2 over dense parameters (all ranks) and experts (dp ranks)
     expert_stats_every: int | None = None  # None: at each validation; 0: off (expert_stats.py)
     allow_config_change: tuple[str, ...] = ()  # fields --resume may change (resume_config)
 
@@ -123,6 +131,14 @@ class TrainConfig:
                 not isinstance(self.expert_stats_every, int) or self.expert_stats_every < 0):
             raise ValueError(f"TrainConfig.expert_stats_every must be an int >= 0 or None, got "
                              f"{self.expert_stats_every!r}")
+        if self.ep is not None and (not isinstance(self.ep, int) or isinstance(self.ep, bool)
+                                    or self.ep <= 0):
+            raise ValueError(f"TrainConfig.ep must be a positive int or None, got {self.ep!r}")
+        if not isinstance(self.fsdp, bool):
+            raise ValueError(f"TrainConfig.fsdp must be a bool, got {self.fsdp!r}")  # noqa: TRY004
+        if self.fsdp and self.export is not None:
+            raise ValueError("--export with --fsdp is not supported yet: the exporter reads plain "
+                             "(unsharded) parameters; export from a --resume without --fsdp")
         if self.activation_checkpointing not in ACT_CKPT_MODES:
             raise ValueError(f"activation_checkpointing {self.activation_checkpointing!r} is not "
                              f"one of {ACT_CKPT_MODES}")
@@ -130,8 +146,10 @@ class TrainConfig:
     @property
     def stats_every(self) -> int:
         """Steps between expert-statistics records (0: none): the validation interval unless
-        set; bf16 runs have no fake quantization to describe."""
+        set; bf16 runs have no fake quantization to describe; not recorded under --fsdp yet."""
         if self.qat_recipe.is_bf16:
+            return 0
+        if self.fsdp:  # the recorder reads whole local expert stacks; FSDP holds shards of them
             return 0
         return self.val_every if self.expert_stats_every is None else self.expert_stats_every
 
@@ -146,10 +164,23 @@ class TrainConfig:
         w = self.qat_recipe.weight
         return None if w is None else w.fmt
 
+    def ep_size(self, world_size: int) -> int:
+        """The expert-parallel size at `world_size` ranks (`ep`, or the world size)."""
+        return world_size if self.ep is None else self.ep
+
     def check_world(self, world_size: int) -> None:
         if self.batch % world_size:
             raise ValueError(f"global batch {self.batch} must be a multiple of the world size "
                              f"{world_size} (each rank trains on batch/world sequences)")
+        ep = self.ep_size(world_size)
+        if world_size % ep:
+            raise ValueError(f"TrainConfig.ep (--ep {ep}) does not divide the world size "
+                             f"{world_size} (world = ep x dp)")
+        if ep < world_size and not self.fsdp:
+            raise ValueError(f"TrainConfig.ep (--ep {ep}) < world size {world_size} needs --fsdp: "
+                             "the experts of one EP group are then sharded over the "
+                             f"{world_size // ep} data-parallel ranks that hold them (experts "
+                             "replicated without FSDP are not supported)")
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)

@@ -1,8 +1,9 @@
 """Process-group set-up for the trainer.
 
-EP size = world size: the one process group is both the expert-parallel group (experts sharded
-contiguously, tokens exchanged with all-to-all) and the data-parallel group (dense parameters
-replicated, each rank trains on its slice of the global batch). gloo on CPU, NCCL on GPU.
+Default layout, EP size = world size: the one process group is both the expert-parallel group
+(experts sharded contiguously, tokens exchanged with all-to-all) and the data-parallel group (dense
+parameters replicated, each rank trains on its slice of the global batch). gloo on CPU, NCCL on
+GPU. With FSDP, `Layout` (below) splits the world into EP groups x expert-data-parallel groups.
 """
 
 from __future__ import annotations
@@ -38,10 +39,14 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
-def setup() -> DistInfo:
-    """Use an existing default group; else init one from RANK/WORLD_SIZE/MASTER_* when WORLD_SIZE>1."""
+def setup(*, single_rank_group: bool = False) -> DistInfo:
+    """Use an existing default group; else init one from RANK/WORLD_SIZE/MASTER_* when WORLD_SIZE>1.
+    `single_rank_group`: at world 1, still make a (one-rank) group: FSDP2 needs one."""
     cuda = torch.cuda.is_available()
     owns = False
+    if single_rank_group and not dist.is_initialized() and _env_int("WORLD_SIZE", 1) <= 1:
+        ensure_group_for_fsdp()
+        owns = True
     if not dist.is_initialized() and _env_int("WORLD_SIZE", 1) > 1:
         for var in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
             if var not in os.environ:
@@ -70,6 +75,14 @@ def teardown(info: DistInfo) -> None:
     if info.owns_group and dist.is_initialized():
         if dist.get_world_size() > 1:
             dist.barrier()
+            # The layout's subgroups first, each after every rank is done with all groups, and
+            # a barrier before the default group goes: the same race, once per gloo group
+            # (seen once at EP2 x FSDP2, world 4: "terminate called" in one rank at exit).
+            subgroups, _SUBGROUPS[:] = list(_SUBGROUPS), []
+            for group in subgroups:
+                dist.destroy_process_group(group)
+            if subgroups:
+                dist.barrier()
         dist.destroy_process_group()
 
 
@@ -88,3 +101,77 @@ def all_reduce_max(x: torch.Tensor, info: DistInfo) -> torch.Tensor:
     if info.group is not None:
         dist.all_reduce(x, op=dist.ReduceOp.MAX, group=info.group)
     return x
+
+
+# ---------------------------------------------------------------------------------------------
+# The parallel layout: world = ep x dp.
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which rank holds which shard. Mesh ("dp", "ep") over ranks arange(world).view(dp, ep):
+    rank = d * ep + e, so an EP group (same d) is a contiguous block of ranks (EP4 x 2 over two
+    nodes of 4 keeps each EP group, and its all-to-alls, on one node) and the expert-data-parallel
+    group of EP index e is the ranks {e, ep + e, 2 ep + e, ...}.
+
+    `ep_group`: the all-to-all group (the EP index is the rank in it); `dp_group`: the ranks that
+    hold the same experts; `mesh` / `world_mesh`: the 2-D mesh and a 1-D mesh of every rank
+    (FSDP shards dense parameters over it). Meshes are None without FSDP (and at world 1
+    without FSDP): the legacy layout, EP size = world size, one process group."""
+
+    ep: int
+    dp: int
+    fsdp: bool
+    ep_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
+    mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh
+    world_mesh: object | None = None
+
+    @property
+    def world(self) -> int:
+        return self.ep * self.dp
+
+
+_SUBGROUPS: list = []  # process groups make_layout's meshes created (see teardown)
+
+
+def ensure_group_for_fsdp() -> None:
+    """FSDP2 needs a process group even in one process: make a single-rank one (gloo on CPU,
+    NCCL on GPU) on a free loopback port when none exists and WORLD_SIZE is unset or 1."""
+    if dist.is_initialized():
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store,
+                            rank=0, world_size=1)
+
+
+def make_layout(info: DistInfo, ep: int | None, fsdp: bool) -> Layout:
+    """The layout for `ep` (None: the world size) and `fsdp` on this world. Collective when it
+    builds meshes (every rank calls it). Errors name the TrainConfig field."""
+    world = info.world
+    ep = world if ep is None else ep
+    if ep <= 0 or world % ep:
+        raise ValueError(f"TrainConfig.ep={ep} does not divide the world size {world}")
+    dp = world // ep
+    if not fsdp:
+        if dp != 1:
+            raise ValueError(f"TrainConfig.ep={ep} < world size {world} needs TrainConfig.fsdp")
+        return Layout(ep, 1, False, info.group, None)
+    if not dist.is_initialized():
+        raise RuntimeError("make_layout(fsdp=True) needs a process group "
+                           "(distributed.ensure_group_for_fsdp at world 1)")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(info.device.type, (dp, ep), mesh_dim_names=("dp", "ep"))
+    world_mesh = init_device_mesh(info.device.type, (world,), mesh_dim_names=("world",))
+    ep_group = mesh.get_group("ep") if ep > 1 else None
+    default = dist.group.WORLD
+    for g in (mesh.get_group("dp"), mesh.get_group("ep"), world_mesh.get_group()):
+        if g is not default and g not in _SUBGROUPS:
+            _SUBGROUPS.append(g)  # destroyed by teardown() before the default group
+    return Layout(ep, dp, True, ep_group, mesh.get_group("dp"), mesh, world_mesh)

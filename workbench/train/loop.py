@@ -5,6 +5,7 @@ Legend: B global batch, b = B/W per-rank batch, S predicted tokens per sequence,
 Under expert parallelism (EP size = world size, see `workbench.train.distributed`) every rank runs
 this same code on its slice of the global batch; `workbench.model.sync_gradients` turns the
 gradients into those of the mean of the ranks' losses, i.e. of the EP1 loss on the whole batch.
+Under FSDP (`workbench.train.fsdp`) the backward's reduce-scatters do it instead.
 
 Metrics: `loss` is the language-model cross-entropy, averaged over the global batch; the objective
 that is optimised adds `aux_loss_coef * aux_loss` (the load-balancing loss, logged as `aux_loss`).
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
 from workbench._io import atomic_write_json
 from workbench.train import checkpointing as ckpt
@@ -75,21 +77,36 @@ def _means_over_ranks(xs: list[float], info: DistInfo) -> list[float]:
     return [v / info.world for v in all_reduce_sum(t, info).tolist()]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view of its storage), a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def global_grad_norm(model: torch.nn.Module, info: DistInfo) -> torch.Tensor:
-    """L2 norm of the full gradient: replicated dense grads counted once, expert shards summed."""
+    """L2 norm of the full gradient, each element counted once over the world: replicated dense
+    grads once (every rank holds the same), sharded grads summed over the ranks. Sharded are the
+    EP expert slices and, under FSDP, every DTensor gradient: FSDP's shards of the dense
+    parameters partition them over the world, and its dp-shards of an EP slice partition that
+    slice over the dp ranks that hold it (workbench.train.fsdp), so the world holds each element
+    of every gradient exactly once."""
     from workbench.model import is_expert_param
 
     dense = torch.zeros((), dtype=torch.float64, device=info.device)
-    expert = torch.zeros((), dtype=torch.float64, device=info.device)
+    sharded = torch.zeros((), dtype=torch.float64, device=info.device)
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        sq = p.grad.detach().double().pow(2).sum()
-        if is_expert_param(model, name):
-            expert += sq
+        g = p.grad.detach()
+        if isinstance(g, DTensor):
+            if not all(isinstance(pl, Shard) for pl in g.placements):
+                raise ValueError(f"global_grad_norm: {name}'s gradient is placed "
+                                 f"{g.placements}; only sharded DTensor gradients are counted")
+            sharded += g.to_local().double().pow(2).sum()
+        elif is_expert_param(model, name):
+            sharded += g.double().pow(2).sum()
         else:
-            dense += sq
-    return (dense + all_reduce_sum(expert, info)).sqrt()
+            dense += g.double().pow(2).sum()
+    return (dense + all_reduce_sum(sharded, info)).sqrt()
 
 
 def _clip_(model: torch.nn.Module, norm: torch.Tensor, max_norm: float) -> None:
@@ -98,7 +115,8 @@ def _clip_(model: torch.nn.Module, norm: torch.Tensor, max_norm: float) -> None:
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
     for p in model.parameters():
         if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.dtype))
+            g = _local(p.grad)  # a DTensor shard scales in place like any tensor
+            g.mul_(coef.to(g.dtype))
 
 
 def _autocast(info: DistInfo):
@@ -161,7 +179,9 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
                                                 model.config.aux_loss_coef)
             kl = [float(kl_t)]
     objective.backward()
-    if info.group is not None:
+    layout = getattr(model, "layout", None)
+    fsdp = layout is not None and layout.fsdp
+    if info.group is not None and not fsdp:  # under FSDP the backward reduced every gradient
         sync_gradients(model, info.group)
     norm = global_grad_norm(model, info)
     _clip_(model, norm, cfg.grad_clip)

@@ -26,6 +26,7 @@ from typing import Self
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from workbench.model.config import MoEConfig
 from workbench.train.config import ACT_CKPT_MODES
@@ -156,12 +157,15 @@ class RankMemory:
 
 
 def rank_memory(cfg: MoEConfig, *, world: int, ep: int, fsdp: int = 1, batch: int, seq: int,
-                act_ckpt: str = "off", device: str = "cuda", qat: bool = False) -> RankMemory:
+                act_ckpt: str = "off", device: str = "cuda", qat: bool = False,
+                sharded: bool | None = None) -> RankMemory:
     """Per-rank bytes of the trainer for `cfg` at world size `world` = ep x fsdp.
 
-    `fsdp` > 1 shards the dense parameters over all `world` ranks and the experts over the
-    `fsdp` ranks that hold the same experts (states only; the gathered bf16 compute copies stay
-    whole, one layer at a time in FSDP2, which this estimate counts as one layer's weights).
+    `fsdp` is the expert-data-parallel degree (the trainer's dp). Under FSDP (`sharded`; by
+    default fsdp > 1, also at fsdp 1 for `--fsdp` with EP = world) the dense parameters are
+    sharded over all `world` ranks and the experts over the `fsdp` ranks that hold the same
+    experts (states only; the gathered bf16 compute copies stay whole, one layer at a time in
+    FSDP2, which this estimate counts as one layer's weights).
     `batch` is the global batch in sequences; each rank trains batch*seq/world tokens.
     `qat`: the routed experts are fake-quantized, and each GEMM keeps its quantized weight
     (compute dtype) for backward, one copy of the local experts (all layers at once, or one
@@ -173,11 +177,15 @@ def rank_memory(cfg: MoEConfig, *, world: int, ep: int, fsdp: int = 1, batch: in
         raise ValueError(f"{cfg.num_experts} experts do not split over EP size {ep}")
     counts = param_counts(cfg)
     local_experts = cfg.num_experts // ep
-    dense = counts.dense / (world if fsdp > 1 else 1)
+    sharded = fsdp > 1 if sharded is None else sharded
+    if fsdp > 1 and not sharded:
+        raise ValueError(f"fsdp={fsdp} > 1 needs sharded=True (experts replicated over the "
+                         "data-parallel ranks without FSDP is not a trainer layout)")
+    dense = counts.dense / (world if sharded else 1)
     expert = counts.experts_total * local_experts / fsdp
     p_local = dense + expert
     gpu = device == "cuda"
-    if fsdp > 1:
+    if sharded:
         per_layer = (counts.dense - cfg.vocab_size * cfg.hidden_size * 2) / max(cfg.num_layers, 1)
         compute = 2 * (per_layer + counts.expert * local_experts) if gpu else 0
     else:
@@ -202,13 +210,17 @@ def rank_memory(cfg: MoEConfig, *, world: int, ep: int, fsdp: int = 1, batch: in
 # Measured
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def state_bytes(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict[str, int]:
     """Bytes of this rank's parameters, gradients and optimizer state (tensor storages counted
     once, so tied weights are not counted twice)."""
     seen: set[int] = set()
 
     def size(t: torch.Tensor) -> int:
-        st = t.untyped_storage()
+        st = _local(t).untyped_storage()  # a DTensor: the shard this rank stores
         key = st.data_ptr()
         if key in seen or key == 0:
             return 0
@@ -230,12 +242,14 @@ class SavedTensorMeter:
     storage counted once). Installs a pack hook: used on one step only, it costs nothing after."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
         self._seen: dict[int, int] = {}
         self._ctx: contextlib.AbstractContextManager | None = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
+        if isinstance(t, nn.Parameter):  # FSDP's gathered parameters: weights, not activations
+            return t
+        st = _local(t).untyped_storage()
         key = st.data_ptr()
         if key and key not in self._params:
             self._seen[key] = st.nbytes()

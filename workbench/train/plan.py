@@ -5,11 +5,13 @@
     print(p)            # per-rank table, verdict, smallest layouts that fit
     p.fits, p.memory.total
 
-A layout is (nodes x gpus_per_node) ranks split as EP x FSDP. The workbench trainer today runs
-EP = world size (every rank holds a replica of the dense parameters); layouts with FSDP > 1
-shard dense parameters and optimizer state as FSDP2 would, and are listed so a user sees what a
-run needs, marked as not yet trainable here. Numbers come from `workbench.train.memory`, whose
-activation count is checked against a measured forward.
+A layout is (nodes x gpus_per_node) ranks split as EP x FSDP (the trainer's `--ep N --fsdp`;
+FSDP here is the expert-data-parallel degree dp = world / EP). EP-only layouts replicate the
+dense parameters on every rank; layouts with FSDP shard dense parameters and optimizer state
+over the world and the experts over the dp ranks (workbench.train.fsdp). Both are runnable.
+`Layout.fsdp_on` marks `--fsdp` at FSDP degree 1 (EP = world, dense parameters still sharded).
+Numbers come from `workbench.train.memory`, whose activation count is checked against a
+measured forward.
 """
 
 from __future__ import annotations
@@ -36,19 +38,26 @@ class Layout:
     gpus_per_node: int
     ep: int
     fsdp: int = 1
+    fsdp_on: bool = False  # --fsdp at degree 1 (EP = world): dense parameters still sharded
 
     @property
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
 
     @property
+    def sharded(self) -> bool:
+        """FSDP2 holds this layout's parameters (workbench.train.fsdp)."""
+        return self.fsdp > 1 or self.fsdp_on
+
+    @property
     def trainable(self) -> bool:
-        """The workbench trainer runs EP = world size (no FSDP yet)."""
-        return self.fsdp == 1
+        """Every layout the planner lists is one the trainer runs (EP-only, or EP x FSDP2)."""
+        return True
 
     def __str__(self) -> str:
         return (f"{self.nodes}x{self.gpus_per_node} (EP{self.ep}"
-                + (f" x FSDP{self.fsdp})" if self.fsdp > 1 else ")"))
+                + (f" x FSDP{self.fsdp})" if self.fsdp > 1 else
+                   " +FSDP)" if self.fsdp_on else ")"))
 
 
 @dataclass(frozen=True)
@@ -99,9 +108,9 @@ class Plan:
         if self.alternatives:
             lines.append("smallest layouts that fit:")
             for layout, mode, mem in self.alternatives:
-                note = "" if layout.trainable else "  (needs FSDP2, not in the trainer yet)"
+                flags = (f"--ep {layout.ep} --fsdp" if layout.sharded else "")
                 lines.append(f"  {layout!s:<24} ckpt {mode:<9} {mem.total / GIB:>7.1f} GiB "
-                             f"per rank{note}")
+                             f"per rank  {flags}".rstrip())
         else:
             lines.append(f"no layout up to {_MAX_NODES} nodes fits (the world size must divide "
                          f"the global batch of {self.batch})")
@@ -118,14 +127,15 @@ def _divisors(n: int) -> list[int]:
 def _memory(cfg: MoEConfig, layout: Layout, batch: int, seq: int, act_ckpt: str,
             device: str, qat: bool) -> RankMemory:
     return rank_memory(cfg, world=layout.world, ep=layout.ep, fsdp=layout.fsdp, batch=batch,
-                       seq=seq, act_ckpt=act_ckpt, device=device, qat=qat)
+                       seq=seq, act_ckpt=act_ckpt, device=device, qat=qat,
+                       sharded=layout.sharded)
 
 
 def smallest_layouts(cfg: MoEConfig, *, gpus_per_node: int, gpu_mem_gib: float, batch: int,
                      seq: int, act_ckpt: str = "off", device: str = "cuda", qat: bool = True,
                      reserve_gib: float = DEFAULT_RESERVE_GIB
                      ) -> list[tuple[Layout, str, RankMemory]]:
-    """For EP-only (what the trainer runs) and for EP x FSDP: the fewest nodes that fit, with the
+    """For EP-only and for EP x FSDP (both runnable): the fewest nodes that fit, with the
     lightest activation checkpointing (from `act_ckpt` on) that makes them fit, and at that node
     count the split with the least memory per rank. The world size must divide `batch` (each
     rank trains whole sequences; the trainer has no gradient accumulation)."""
@@ -157,11 +167,12 @@ def smallest_layouts(cfg: MoEConfig, *, gpus_per_node: int, gpu_mem_gib: float, 
 
 def plan(model_config: MoEConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: float, *,
          batch: int, seq: int, ep: int | None = None, fsdp: int = 1, act_ckpt: str = "off",
-         device: str = "cuda", qat: bool = True, reserve_gib: float = DEFAULT_RESERVE_GIB
-         ) -> Plan:
+         device: str = "cuda", qat: bool = True, reserve_gib: float = DEFAULT_RESERVE_GIB,
+         fsdp_on: bool = False) -> Plan:
     """Per-rank bytes of training `model_config` on nodes x gpus_per_node ranks (EP = world /
     fsdp unless given), plus the smallest layouts that fit `gpu_mem_gib` per GPU. `qat`: the
-    routed experts are fake-quantized (a BF16 baseline run has `qat=False`)."""
+    routed experts are fake-quantized (a BF16 baseline run has `qat=False`). `fsdp_on`: the run
+    uses --fsdp at FSDP degree 1 (the trainer at EP = world with --fsdp, or world 1)."""
     for name, v in (("nodes", nodes), ("gpus_per_node", gpus_per_node), ("batch", batch),
                     ("seq", seq), ("fsdp", fsdp)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -179,7 +190,7 @@ def plan(model_config: MoEConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: f
                         f"{nodes} x {gpus_per_node} = {world}")
     if model_config.num_experts % ep:
         raise PlanError(f"plan: {model_config.num_experts} experts do not split over EP{ep}")
-    layout = Layout(nodes, gpus_per_node, ep, fsdp)
+    layout = Layout(nodes, gpus_per_node, ep, fsdp, fsdp_on=bool(fsdp_on) and fsdp == 1)
     mem = _memory(model_config, layout, batch, seq, act_ckpt, device, qat)
     alts = smallest_layouts(model_config, gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib,
                             batch=batch, seq=seq, act_ckpt=act_ckpt, device=device, qat=qat,

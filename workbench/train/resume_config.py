@@ -26,11 +26,15 @@ from typing import Any
 
 from workbench.train.checkpointing import candidates
 
-# activation checkpointing recomputes the same numbers; determinism and telemetry change no
+# activation checkpointing recomputes the same numbers; the layout (ep, fsdp) only changes
+# which rank holds which shard; determinism and telemetry change no
 # value the run trains with.
 FREE = frozenset({"out", "resume", "allow_config_change", "init", "val_every", "ckpt_every",
                   "keep", "export", "wandb", "project", "run_group", "run_name",
-                  "activation_checkpointing", "deterministic", "expert_stats_every"})
+                  "activation_checkpointing", "deterministic", "expert_stats_every",
+                  # the parallel layout: the checkpoint reshards (checkpointing.state_dict), and
+                  # the trained function is the same at every layout (docs/fsdp.md)
+                  "ep", "fsdp"})
 CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup", "grad_clip", "val_batches")
 _LEGACY_KEYS = ("recipe", "preset", "seed")  # what markers held before the full configuration
 _CONFIG_JSON_EXTRA = ("world_size", "ep_size", "device")  # config.json's non-TrainConfig keys
