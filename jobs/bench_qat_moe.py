@@ -11,7 +11,10 @@ the update itself costs nothing measurable), gradients reset, forward, backward.
 Goals on Hopper: QAT within 1.05x of BF16 for NVFP4, NVFP4+MXFP8 and MXFP4+MXFP8 weights
 (issue 19; 1.15x before, issue 8); on CPU the numbers only show the reference path's overhead.
 Every recipe's layer is built and warmed up first, then the recipes are timed interleaved,
-one step each per round, `--iters` rounds; the table shows the median per recipe.
+one sample each per round, `--iters` rounds; the table shows the median per recipe. A sample is
+`--chain` steps back to back with one sync after them: 1 puts a host wait after every step (as
+at EP>1, where the all-to-all needs its split sizes on the host before each MoE layer), larger
+values let the host run ahead (EP1). `host ms` is the time the host takes to launch one step.
 With $OUT set, the rows (and every sample) are also written to $OUT/bench_qat_moe.json.
 """
 
@@ -30,19 +33,6 @@ from workbench.model.experts import GroupedExperts
 from workbench.qat import prepare
 
 
-def _time(fn, iters: int, sync, warm: bool = True) -> float:
-    if warm:
-        fn()
-    sync()
-    samples = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=8)
@@ -51,6 +41,11 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens-per-expert", type=int, default=128)
     ap.add_argument("--k3", action="store_true", help="hidden 3584, FFN 3072, 4096 tokens/expert")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--chain", type=int, default=1,
+                    help="steps per timed sample, back to back with one sync at the end (1: a host "
+                         "wait after every step, as the all-to-all's split sizes impose before "
+                         "each MoE layer at EP>1; >1: the host runs ahead, as at EP1 where layers "
+                         "follow each other without a host wait)")
     ap.add_argument("--recipes", default="bf16,mxfp4,mxfp4+mxfp8,nvfp4,nvfp4+mxfp8")
     ap.add_argument("--profile", action="store_true",
                     help="after timing, print where one step's GPU time goes (torch.profiler)")
@@ -68,7 +63,7 @@ def main(argv=None) -> None:
     flops = 3 * 2 * (E * n) * D * F * 3  # 3 GEMMs fwd, x3 for fwd+bwd
     torch_ver = torch.__version__
     print(f"device={torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'} torch={torch_ver} "
-          f"E={E} D={D} F={F} tokens/expert={n}")
+          f"E={E} D={D} F={F} tokens/expert={n} chain={args.chain} (steps per timed sample)")
 
     steps = {}
     for recipe in args.recipes.split(","):
@@ -99,7 +94,12 @@ def main(argv=None) -> None:
     samples = {r: [] for r in steps}
     for _ in range(args.iters):
         for recipe, step in steps.items():
-            samples[recipe].append(_time(step, 1, sync, warm=False))
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(args.chain):
+                step()
+            sync()
+            samples[recipe].append((time.perf_counter() - t0) / args.chain)
     # Host time per step: how long the launches take before the host may wait (a step with its
     # final sync excluded); where it approaches the GPU time, the GPU idles behind the host.
     host = {r: [] for r in steps}
@@ -131,7 +131,7 @@ def main(argv=None) -> None:
     if os.environ.get("OUT"):
         meta = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                 "torch": torch_ver, "E": E, "D": D, "F": F, "tokens_per_expert": n,
-                "iters": args.iters}
+                "iters": args.iters, "chain": args.chain}
         Path(os.environ["OUT"], "bench_qat_moe.json").write_text(
             json.dumps({"meta": meta, "rows": rows, "breakdown": breakdown}, indent=1) + "\n")
 
