@@ -80,6 +80,7 @@ def main() -> None:
             ("activations (saved for backward)", m.saved, first.get("mem_activations_bytes")),
             ("bf16 compute copies", m.params_compute, None),
             ("QAT fake-quantized copies", m.qat_copies, None),
+            ("FSDP2 buffers", m.fsdp_buffers, None),
             ("total (peak)", m.total, peak * GIB)]
     print(p, flush=True)
     print(f"\n{'per rank':<36} {'plan GiB':>10} {'measured GiB':>13}")

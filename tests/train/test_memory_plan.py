@@ -169,7 +169,7 @@ def test_plan_rows_add_up_and_the_verdict_follows_the_budget():
     m = p.memory
     n_local = param_counts(cfg).dense + param_counts(cfg).experts_total * cfg.num_experts // 2
     assert m.masters == 4 * n_local and m.grads == 4 * n_local and m.optimizer == 8 * n_local
-    assert m.total == m.states + m.activations + m.qat_copies
+    assert m.total == m.states + m.activations + m.qat_copies + m.fsdp_buffers
     assert p.fits
     tight = plan(cfg, 1, 2, p.reserve_gib + m.total / 2**30 * 0.99, batch=4, seq=64,
                  device="cpu")
@@ -225,3 +225,20 @@ def test_plan_cli(tmp_path):
                          capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "Traceback" not in bad.stderr
+
+
+def test_fsdp_plan_with_its_reserve_covers_the_peak_measured_on_an_h200():
+    """`python3 jobs/gpu/fsdp_world1.py` on an H200 (2026-12-02, torch 2.11): the GPU preset at
+    world 1 with --fsdp, MXFP4, full checkpointing, batch 8 x 1024 peaked at 62.63 GiB (CUDA
+    allocator). The plan plus the reserve it keeps per GPU must cover that peak; without the
+    FSDP2 buffer row it fell 1 GiB short (53.6 + 8 < 62.6)."""
+    from workbench.model import preset as model_preset
+
+    mcfg = model_preset("qwen3_30b_a3b_like").replace(max_seq_len=1024)
+    p = plan(mcfg, 1, 1, 141.0, batch=8, seq=1024, act_ckpt="full", device="cuda", qat=True,
+             fsdp_on=True)
+    assert p.memory.fsdp_buffers > 0
+    assert p.memory.total / 2**30 + p.reserve_gib >= 62.63
+    # the same layout without FSDP holds whole dense weights and no FSDP buffers
+    plain = plan(mcfg, 1, 1, 141.0, batch=8, seq=1024, act_ckpt="full", device="cuda", qat=True)
+    assert plain.memory.fsdp_buffers == 0

@@ -134,6 +134,7 @@ class RankMemory:
     activations: int  # saved for backward, at the configured per-rank tokens
     activations_per_token: float
     qat_copies: int = 0  # fake-quantized expert weights, saved for backward by the GEMMs
+    fsdp_buffers: int = 0  # FSDP2's transient per-unit buffers (GPU): see rank_memory
 
     @property
     def saved(self) -> int:
@@ -146,12 +147,13 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        return self.states + self.activations + self.qat_copies
+        return self.states + self.activations + self.qat_copies + self.fsdp_buffers
 
     def as_dict(self) -> dict[str, float]:
         return {"params_compute": self.params_compute, "masters": self.masters,
                 "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "qat_copies": self.qat_copies,
+                "fsdp_buffers": self.fsdp_buffers,
                 "total": self.total,
                 "activations_per_token": self.activations_per_token}
 
@@ -190,6 +192,15 @@ def rank_memory(cfg: MoEConfig, *, world: int, ep: int, fsdp: int = 1, batch: in
         compute = 2 * (per_layer + counts.expert * local_experts) if gpu else 0
     else:
         compute = 2 * (counts.dense + counts.experts_total * local_experts) if gpu else 0
+    fsdp_buffers = 0
+    if sharded and gpu:
+        # FSDP2 units are the decoder layers and the root (embeddings and head). Beside the
+        # gathered bf16 weights of the unit computing (in `compute`), it holds the next unit's,
+        # prefetched (2 B a parameter), and in backward the unit's unsharded bf16 gradients (2 B)
+        # and their fp32 copy, the reduce-scatter's input (reduce_dtype fp32: 4 B). Without this
+        # row the plan was 9.0 GiB under the peak measured on an H200 (jobs/gpu/fsdp_world1.py).
+        unit = max(per_layer + counts.expert * local_experts, cfg.vocab_size * cfg.hidden_size * 2)
+        fsdp_buffers = int((2 + 2 + 4) * unit)
     words = activation_floats_per_token(cfg, act_ckpt)
     # On a GPU most saved activations are bf16 (autocast), the norms' fp32 internals and the
     # softmaxes stay fp32: 2.5 B per word is the estimate there; the CPU path is all fp32.
@@ -203,7 +214,7 @@ def rank_memory(cfg: MoEConfig, *, world: int, ep: int, fsdp: int = 1, batch: in
     return RankMemory(params_compute=int(compute), masters=int(4 * p_local),
                       grads=int(4 * p_local), optimizer=int(8 * p_local),
                       activations=int(per_token * tokens), activations_per_token=per_token,
-                      qat_copies=qat_copies)
+                      qat_copies=qat_copies, fsdp_buffers=fsdp_buffers)
 
 
 # --------------------------------------------------------------------------------------------

@@ -97,6 +97,7 @@ class Plan:
                  f"{self.batch * self.seq / self.layout.world:g} tokens/rank, "
                  f"ckpt {self.act_ckpt})"), m.activations),
                 ("fake-quantized expert weights (QAT)", m.qat_copies),
+                ("FSDP2 buffers (prefetch, unsharded grads, fp32 reduce)", m.fsdp_buffers),
                 ("total", m.total)]
         lines = [(f"model: {total / 1e9:.2f}B parameters ({counts.dense / 1e9:.2f}B dense, "
                  f"{counts.experts_total * self.config.num_experts / 1e9:.2f}B in "
