@@ -12,9 +12,9 @@ codecs of ``workbench.formats`` (``dequantize``, ``batched.quantize_stack``; und
 torch.compile they take their branch-free ``_dense`` form, which computes the same bytes) and
 the metric predicates of ``metrics.py`` (zero codes, clipped = at the largest code while
 |w| > |deq|, mismatch with +0 == -0). Inductor keeps IEEE fp32 arithmetic here: no fast-math,
-``-ffp-contract=off`` (no FMA contraction), divisions stay divisions; bf16 work values of the MX
-codec are power-of-two multiples of bf16 values, so whether Inductor rounds them to bf16 between
-ops does not change them. ``tests/analysis/test_compiled.py`` checks codes and scales bit for bit
+``-ffp-contract=off`` (no FMA contraction), divisions stay divisions, and every cast to bf16
+rounds as in eager (``emulate_precision_casts``: the decoded weights are BF16, as the views give
+them, not the fp32 product they come from). ``tests/analysis/test_compiled.py`` checks codes and scales bit for bit
 against the eager codec for every profile of every format, on edge inputs too. So:
 - counts (zero codes, clipped elements, scale and code mismatches, scale histograms) are integer
   sums of the same predicates: equal exactly; ``max_abs_err`` and ``amax`` are maxima of the
@@ -168,7 +168,11 @@ def _own_code(fn):
 def _run(key: tuple, build, args: list) -> tuple:
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[key] = torch.compile(_own_code(build()), fullgraph=True, dynamic=False)
+        # emulate_precision_casts: a ``.to(bfloat16)`` inside the graph rounds, as in eager.
+        # Without it Inductor keeps the fp32 value of an NVFP4 decode (x * s / g is no bf16
+        # number) and the re-quantized weights are not the decoded checkpoint's.
+        fn = _COMPILED[key] = torch.compile(_own_code(build()), fullgraph=True, dynamic=False,
+                                            options={"emulate_precision_casts": True})
     for a in args:
         if a is not None and a.dim() and a.shape[0] > 1:
             torch._dynamo.maybe_mark_dynamic(a, 0)  # one graph for any number of experts

@@ -250,6 +250,30 @@ def _compiled_recipe(w, stored, recipe: Recipe, what: str, compare: bool = True)
     return [r.metrics for r in rows], [r.hist for r in rows]
 
 
+_MISMATCH = ("scale_mismatch_frac", "code_mismatch_frac")
+
+
+def _candidate_from_grid(loaded: Loaded, recipe: Recipe):
+    """Question 1 on a stored grid is question 3 without its mismatch columns: the closed-form
+    MXFP4 pass (``fused.py``) where it applies, else the compiled pass (the same graphs as
+    ``stored_results``, so one compile serves both questions)."""
+    from . import fused
+
+    grids = loaded.host_grids
+    if fused.static_reason(recipe, loaded.grid.data.device) is None and \
+            len({g.profile for g in grids}) == 1 and \
+            all(fused.grid_reason(g) is None for g in grids):
+        res = fused.stored_vs_recipe(grids, recipe)
+        if res is not None:
+            hs = []
+            for x in res:
+                present = x.byte_counts.nonzero().flatten()
+                hs.append(list(zip(e8m0_exponents(present).tolist(),
+                                   x.byte_counts[present].tolist())))
+            return [x.metrics for x in res], hs
+    return _compiled_recipe(None, loaded.grid, recipe, "candidate recipes")
+
+
 def candidate_results(ck, items, recipes: list[Recipe], dev, plan: Plan, progress: bool,
                       use_compiled: bool = False):
     use_compiled = _compiled_ok(use_compiled, dev, "candidate recipes")
@@ -262,9 +286,10 @@ def candidate_results(ck, items, recipes: list[Recipe], dev, plan: Plan, progres
             if use_compiled:  # the stored grid is decoded inside the compiled pass
                 got = _compiled_recipe(loaded.dense, None, r, "candidate recipes") \
                     if loaded.grid is None else \
-                    _compiled_recipe(None, loaded.grid, r, "candidate recipes", compare=False)
-            if got is not None:
-                ms, hs = got
+                    _candidate_from_grid(loaded, r)
+            if got is not None:  # without the mismatch columns, as the reference
+                ms = [{k: v for k, v in m.items() if k not in _MISMATCH} for m in got[0]]
+                hs = got[1]
             else:
                 w = loaded.weights() if w is None else w
                 ms, hs = _recipe_rows(w, r, None)

@@ -22,8 +22,8 @@ The four float sums differ in summation order only: the reference takes fp32 BLA
 accumulators; on the benchmark's 1.5M-element experts the sum of squares is 5e-5 off the float64
 value and rel_err 1e-5), this path sums fp32 per 4096 elements and then in float64 (7e-8).
 
-Anything else takes the batched path (``batched.py``), with the reason logged once: other
-formats, tie rules without a closed form here, bytes outside ``SAFE_BYTES``, padded K, CUDA
+Anything else takes the compiled passes of ``compiled.py`` (or the batched path, ``batched.py``),
+with the reason logged once: other formats, tie rules without a closed form here, bytes outside ``SAFE_BYTES``, padded K, CUDA
 tensors, or a failed compile (no C++ compiler...). Whether this pass is tried at all is
 ``paths.choose_path``'s decision ("fused", the CPU default for large jobs). Compiling costs
 seconds once per process and tie rule (logged); Inductor caches the C++ on disk across runs.
