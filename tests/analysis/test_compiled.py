@@ -159,3 +159,30 @@ def test_non_finite_and_cuda_stacks_take_the_batched_path():
     st.scale[0, 0, 0] = 0xFF
     assert compiled.finite_reason(None, st) == "E8M0 NaN scale bytes"
     assert compiled.static_reason(torch.device("cuda")) is not None
+
+
+def test_fractions_are_exact_count_ratios_on_every_path(uncompiled):
+    """clip_frac and scale_mismatch_frac are integer counts over n in float64 (numpy counts them
+    here), not an fp32 mean, whose last bit depends on the device: the reference, the batched
+    and the compiled pass give the same float."""
+    import numpy as np
+
+    from workbench.formats.elements import unpack_fp4
+
+    w = stack(shape=(48, 96), n=2)
+    r = parse_recipe("mxfp4:floor")  # FLOOR clips
+    q = quantize(w[0], r)
+    deq = dequantize(q, torch.float32)
+    codes = unpack_fp4(q.data).numpy()
+    clipped = ((codes & 7) == 7) & (np.abs(w[0].float().numpy()) > np.abs(deq.numpy()))
+    want = int(clipped.sum()) / clipped.size
+    assert 0 < want and float(np.float32(want)) != want  # an fp32 mean: another float
+    assert error_metrics(w[0], deq, q)["clip_frac"] == want
+    assert batched.stack_metrics(w, dequantize(quantize(w, r), torch.float32),
+                                 quantize(w, r))[0]["clip_frac"] == want
+    assert compiled.recipe_rows(w, None, r)[0].metrics["clip_frac"] == want
+    other = quantize(w[0], "mxfp4:rceil")
+    diff = (q.scale.numpy() != other.scale.numpy())
+    want = int(diff.sum()) / diff.size
+    assert 0 < want and float(np.float32(want)) != want
+    assert grid_mismatch(other, q)["scale_mismatch_frac"] == want
