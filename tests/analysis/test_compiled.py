@@ -29,7 +29,7 @@ from workbench.formats.mx_profiles import PROFILES as MX_PROFILES
 from workbench.formats.nvfp4_profiles import PROFILES as NV_PROFILES
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoint"))
-from oracles import heavy_tailed  # noqa: E402
+from oracles import heavy_tailed
 
 EXACT = ("max_abs_err", "amax", "clip_frac", "zero_frac", "scale_mismatch_frac",
          "code_mismatch_frac")

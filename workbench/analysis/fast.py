@@ -305,6 +305,7 @@ def candidate_results(ck, items, recipes: list[Recipe], dev, plan: Plan, progres
 def reference_results(ck, reference, items, label: Callable, dev, plan: Plan, progress: bool,
                       use_compiled: bool = False):
     use_compiled = _compiled_ok(use_compiled, dev, "stored vs reference")
+
     def ref_rec(rec):
         return reference.record(rec.layer, rec.expert, rec.proj, rec.kind)
 

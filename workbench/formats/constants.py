@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 def div_const(x: torch.Tensor, c: float) -> torch.Tensor:
     """``x / c`` as one correctly rounded division on every device. ``tensor / python_scalar``
     is not that on CUDA: ATen computes ``x * (1 / c)`` there when the divisor is a CPU scalar
