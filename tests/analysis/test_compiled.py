@@ -186,3 +186,23 @@ def test_fractions_are_exact_count_ratios_on_every_path(uncompiled):
     want = int(diff.sum()) / diff.size
     assert 0 < want and float(np.float32(want)) != want
     assert grid_mismatch(other, q)["scale_mismatch_frac"] == want
+
+
+def test_fused_path_takes_the_compiled_pass_only_where_it_measured_faster(tmp_path, monkeypatch):
+    """Without EVERYWHERE, path="fused" runs the compiled graphs only for the pairs in FASTER:
+    a BF16 checkpoint under an NVFP4 recipe is compiled, under an MXFP4 recipe batched."""
+    from analysis_ckpts import moe_weights, write_dense
+
+    from workbench.analysis import candidate_errors
+    from workbench.checkpoint import open_checkpoint
+
+    assert compiled.preferred("recipe", None, "nvfp4")
+    assert not compiled.preferred("recipe", None, "mxfp4")
+    served = []
+    real = compiled.recipe_rows
+    monkeypatch.setattr(compiled, "recipe_rows",
+                        lambda w, st, r, *a: served.append(str(r)) or real(w, st, r, *a))
+    monkeypatch.setattr(compiled, "_run", lambda key, build, args: build()(*args))
+    ck = open_checkpoint(write_dense(tmp_path / "bf16", moe_weights(layers=1, experts=2)))
+    candidate_errors(ck, ["mxfp4:rceil", "nvfp4:torchao"], progress=False, path="fused")
+    assert served and set(served) == {"nvfp4:torchao"}, served

@@ -60,6 +60,26 @@ def log_choice(what: str, why: str | None) -> None:
         _log.info(text)
 
 
+# Where the compiled pass beats the batched one, as (question kind, stored format or None for
+# BF16 input, recipe format or None): CPU seconds per element on a [2, 768, 2048] stack, one
+# thread, 2-core machine under load (ns/element, compiled vs batched): BF16 -> nvfp4 33 vs 53,
+# BF16 -> mxfp8 19 vs 34, NVFP4 grid vs BF16 reference 9 vs 32. Elsewhere the traced codecs
+# compile to scalar loops and lose (BF16 -> mxfp4 112 vs 37, MXFP4 grid vs reference 115 vs 29,
+# NVFP4 grid -> nvfp4 71 vs 53, MXFP8 grid -> mxfp8 52 vs 30): the E8M0 tables are rebuilt per
+# element (``std::ldexp`` in double, from ``mx._lut``'s in-graph form), the packed-FP4 pair table
+# is an unvectorised gather, and uint8 bit ops stay scalar. Those keep the batched path
+# (MXFP4 grid under an MXFP4 recipe: fused.py's closed form) unless ``EVERYWHERE`` is set
+# (the tests set it, so every graph is checked against the reference).
+FASTER = {("recipe", None, "nvfp4"), ("recipe", None, "mxfp8_e4m3"), ("reference", "nvfp4", None)}
+EVERYWHERE = False
+
+
+def preferred(kind: str, stored_fmt: str | None, recipe_fmt: str | None) -> bool:
+    """Whether the compiled pass is the faster one for this (question kind, stored format,
+    recipe format); see ``FASTER``."""
+    return EVERYWHERE or (kind, stored_fmt, recipe_fmt) in FASTER
+
+
 def static_reason(device: torch.device) -> str | None:
     """Why the compiled passes cannot run on ``device`` at all (None: they can)."""
     if _BROKEN:

@@ -240,6 +240,10 @@ def _compiled_recipe(w, stored, recipe: Recipe, what: str, compare: bool = True)
     """(metrics, histograms) of the stack from the compiled pass, or None (reason logged)."""
     if compiled._BROKEN:
         return None
+    if not compiled.preferred("recipe", None if stored is None else stored.fmt, recipe.fmt):
+        compiled.log_choice(f"{what} ({'bf16' if stored is None else stored.fmt} -> "
+                            f"{recipe.fmt})", "measured faster batched, compiled.FASTER")
+        return None
     why = compiled.finite_reason(w, stored)
     if why is not None:
         compiled.log_choice(what, why)
@@ -322,6 +326,8 @@ def reference_results(ck, reference, items, label: Callable, dev, plan: Plan, pr
         ms = None
         if use_compiled and mine.grid is not None and not compiled._BROKEN:
             why = compiled.finite_reason(w, mine.grid)
+            if why is None and not compiled.preferred("reference", mine.grid.fmt, None):
+                why = f"{mine.grid.fmt} grids: measured faster batched, compiled.FASTER"
             if why is None:  # the stored grid is decoded inside the compiled pass
                 ms = compiled.reference_rows(w, mine.grid)
             else:
