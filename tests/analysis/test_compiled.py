@@ -40,7 +40,10 @@ EVERY = ([f"mxfp4:{p}" for p, v in MX_PROFILES.items() if "mxfp4" in v.formats]
 # one per scale rule / sign rule / tie rule / NVFP4 library (compiled: seconds each)
 COMPILED = ["mxfp4:floor", "mxfp4:even", "mxfp4:modelopt-export", "mxfp4:triton-kernels",
             "mxfp4:compressed-tensors", "mxfp8_e4m3:rceil", "mxfp8_e4m3:torchao-rceil",
-            "mxfp8_e4m3:compressed-tensors", "nvfp4:torchao", "nvfp4:te",
+            pytest.param("mxfp8_e4m3:compressed-tensors", marks=pytest.mark.xfail(
+                strict=True, reason="compiled clip counts differ from eager on decoded grids: "
+                "compiled.recipe_reason keeps this recipe batched")),
+            "nvfp4:torchao", "nvfp4:te",
             "nvfp4:modelopt-export", "nvfp4:compressed-tensors"]
 STORED = ["mxfp4:triton-kernels", "mxfp8_e4m3:modelopt-export", "nvfp4:compressed-tensors",
           "nvfp4:te"]  # the stored grids' writers (the readers are the same profiles)
@@ -206,3 +209,29 @@ def test_fused_path_takes_the_compiled_pass_only_where_it_measured_faster(tmp_pa
     ck = open_checkpoint(write_dense(tmp_path / "bf16", moe_weights(layers=1, experts=2)))
     candidate_errors(ck, ["mxfp4:rceil", "nvfp4:torchao"], progress=False, path="fused")
     assert served and set(served) == {"nvfp4:torchao"}, served
+
+
+def test_recipes_the_compiled_pass_does_not_serve(tmp_path, monkeypatch):
+    """compiled.recipe_reason names compressed-tensors' MXFP8 rule, and path="fused" (every graph
+    allowed) then computes that recipe batched, still equal to the reference."""
+    from analysis_ckpts import moe_weights, write_mxfp4
+
+    from workbench.analysis import stored_vs_recipes
+    from workbench.checkpoint import open_checkpoint
+
+    assert compiled.recipe_reason(parse_recipe("mxfp8_e4m3:compressed-tensors")) is not None
+    assert compiled.recipe_reason(parse_recipe("mxfp8_e4m3:rceil")) is None
+    monkeypatch.setattr(compiled, "EVERYWHERE", True)
+    served = []
+    real = compiled.recipe_rows
+    monkeypatch.setattr(compiled, "recipe_rows",
+                        lambda w, st, r, *a: served.append(str(r)) or real(w, st, r, *a))
+    monkeypatch.setattr(compiled, "_run", lambda key, build, args: build()(*args))
+    sd = moe_weights(layers=1, experts=2, dense_layer=False, shared=False)
+    ck = open_checkpoint(write_mxfp4(tmp_path / "mx", sd))
+    recipes = ["mxfp8_e4m3:compressed-tensors", "nvfp4:torchao"]
+    got = stored_vs_recipes(ck, recipes, progress=False, path="fused")
+    want = stored_vs_recipes(ck, recipes, progress=False, path="reference")
+    assert set(served) == {"nvfp4:torchao"}, served
+    for col in ("clip_frac", "zero_frac", "max_abs_err", "amax"):
+        assert got.experts[col].tolist() == want.experts[col].tolist(), col

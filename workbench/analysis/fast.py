@@ -240,6 +240,10 @@ def _compiled_recipe(w, stored, recipe: Recipe, what: str, compare: bool = True)
     """(metrics, histograms) of the stack from the compiled pass, or None (reason logged)."""
     if compiled._BROKEN:
         return None
+    bad = compiled.recipe_reason(recipe)
+    if bad is not None:
+        compiled.log_choice(f"{what} ({recipe})", bad)
+        return None
     if not compiled.preferred("recipe", None if stored is None else stored.fmt, recipe.fmt):
         compiled.log_choice(f"{what} ({'bf16' if stored is None else stored.fmt} -> "
                             f"{recipe.fmt})", "measured faster batched, compiled.FASTER")
