@@ -387,6 +387,17 @@ def main(argv: list[str] | None = None) -> int:
                          f"{'-' if cpu is None else f'{cpu:.1f}'} | {size / secs / GB:.2f} | "
                          f"{read_s / secs:.2f} | {mem} | "
                          f"{'-' if not cuda else f'{cuda / 1e6:.0f}'} | {cmp} |")
+        # the goal's view: question x format, the second call (warm process) against the read
+        summary = {(q, fmt): (read_s / secs, grow) for fmt, q, path, secs, _, _, read_s, grow, _, _
+                   in rows if path == "auto, call 2"}
+        if summary:
+            sf = [f for f in fmts if any((q, f) in summary for q in qs)]
+            lines += ["", "second call vs the plain read (host memory growth, MB):",
+                      "| question | " + " | ".join(sf) + " |", "|---" * (len(sf) + 1) + "|"]
+            for q in qs:
+                cells = [f"{summary[q, f][0]:.2f}x ({summary[q, f][1] / 1e6:.0f} MB)"
+                         if (q, f) in summary else "-" for f in sf]
+                lines.append(f"| {q} | " + " | ".join(cells) + " |")
         text = "\n".join(lines)
         if final:
             print(text)

@@ -50,7 +50,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("workbench.demo", "workbench.train.export"): CLI,
     # imports inside functions
     ("workbench.analysis.fast", "workbench.analysis"): CYCLE,
-    ("workbench.analysis.fused", "workbench.analysis.metrics"): CYCLE,
     ("workbench.checkpoint.checkpoint", "workbench.formats"): DEBT,
     ("workbench.checkpoint.dcp", "workbench.checkpoint"): CYCLE,
     ("workbench.checkpoint.grid", "workbench.formats.nvfp4"): DEBT,

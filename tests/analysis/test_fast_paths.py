@@ -100,6 +100,59 @@ def test_batched_reference_errors_every_layout(layout):
     assert_tables_equal(ref, got, (name, "batched"))
 
 
+FUSED_RECIPES = ["mxfp4:rceil", "nvfp4:torchao", "mxfp8_e4m3:rceil"]  # one per format
+
+
+def _count_compiled(monkeypatch) -> dict[str, int]:
+    """How many stacks the compiled passes served, per entry point (each still the real one)."""
+    from workbench.analysis import compiled
+
+    # every (question, format) pair through the compiled graphs, also where "fused" would keep
+    # the batched path because it measured faster (compiled.FASTER)
+    monkeypatch.setattr(compiled, "EVERYWHERE", True)
+    served = {"recipe_rows": 0, "reference_rows": 0}
+    for name in served:
+        real = getattr(compiled, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            out = _real(*a, **k)
+            served[_name] += out is not None
+            return out
+
+        monkeypatch.setattr(compiled, name, spy)
+    return served
+
+
+def _stored_fmt(ck) -> str | None:
+    fmts = {getattr(ck.recipe_of(r.name), "fmt", None) for r in ck.expert_records()}
+    return fmts.pop() if len(fmts) == 1 else None
+
+
+@pytest.mark.inductor_cpp
+def test_fused_candidate_errors_every_layout(layout, monkeypatch):
+    """path="fused", question 1 with a recipe of every format: the compiled passes (stored grid
+    decoded in the graph, or the BF16 weights of a codec workbench.formats does not model) give
+    the reference's table, and they did serve it."""
+    name, ck, _ = layout
+    served = _count_compiled(monkeypatch)
+    ref = candidate_errors(ck, FUSED_RECIPES, progress=False, path="reference")
+    assert_tables_equal(ref, candidate_errors(ck, FUSED_RECIPES, progress=False, path="fused"),
+                        (name, "fused"))
+    # MXFP4 grids under the MXFP4 recipe take fused.py's closed form; everything else compiled
+    assert served["recipe_rows"] > 0, (name, served)
+
+
+@pytest.mark.inductor_cpp
+def test_fused_reference_errors_every_layout(layout, monkeypatch):
+    name, ck, dense = layout
+    served = _count_compiled(monkeypatch)
+    ref = reference_errors(ck, dense, kinds=("routed",), progress=False, path="reference")
+    got = reference_errors(ck, dense, kinds=("routed",), progress=False, path="fused")
+    assert_tables_equal(ref, got, (name, "fused"))
+    # every stored grid is decoded and measured in the compiled pass (fp8-block: no grid)
+    assert (served["reference_rows"] > 0) == (name not in NO_GRID), (name, served)
+
+
 @pytest.mark.inductor_cpp
 def test_fused_path_every_layout(layout, monkeypatch):
     """path="fused": the compiled pass where it applies (MXFP4 grids, MXFP4 recipes), batched
@@ -111,14 +164,16 @@ def test_fused_path_every_layout(layout, monkeypatch):
     real = fused.stored_vs_recipe
     monkeypatch.setattr(fused, "stored_vs_recipe",
                         lambda gs, r: served.append(str(r)) or real(gs, r))
-    recipes = ["mxfp4:rceil", "nvfp4:torchao", "mxfp8_e4m3:rceil"]
+    compiled = _count_compiled(monkeypatch)
+    recipes = FUSED_RECIPES
     ref = stored_vs_recipes(ck, recipes, progress=False, path="reference")
     assert_tables_equal(ref, stored_vs_recipes(ck, recipes, progress=False, path="fused"),
                         (name, "fused"), empty=name in NO_GRID)
-    # the compiled pass served the MXFP4 recipe exactly where the stored grid is MXFP4
-    stored_mx = any(getattr(ck.recipe_of(r.name), "fmt", None) == "mxfp4"
-                    for r in ck.expert_records())
+    # the closed-form pass served the MXFP4 recipe exactly where the stored grid is MXFP4, the
+    # compiled pass every other (grid, recipe) pair
+    stored_mx = _stored_fmt(ck) == "mxfp4"
     assert set(served) == ({"mxfp4:rceil"} if stored_mx else set()), (name, served)
+    assert (compiled["recipe_rows"] > 0) == (name not in NO_GRID), (name, compiled)
 
 
 def test_small_checkpoints_all_questions_and_small_batches(tmp_path):

@@ -12,8 +12,8 @@ Why the rows equal the reference's:
   (``quantize_stack``), which reproduces the 2-D call bit for bit (tested for every profile);
 - counts (zero codes, clipped elements, scale and code mismatches, exponent histograms) are
   integer counts of the same predicates, maxima are order-free: both equal exactly. Fractions
-  the reference takes as an fp32 ``mean`` are taken as an fp32 ``mean`` here (exact integer sums
-  below 2^24 elements per weight, then one fp32 division);
+  are exact integer counts over n in float64 on every path (``metrics.count_ratio``), so no
+  device's fp32 mean (CUDA multiplies by 1/n) can move their last bit;
 - the four float sums (sum ref^2, err^2, ref*out, out^2): on CPU the reference's own fp32 BLAS
   dot per expert, on the same contiguous fp32 vectors, so the same order of summation; on CUDA
   fp32 batched reductions (``vecdot``): same products, another order, so rel_err, sqnr_db and
@@ -31,7 +31,7 @@ import torch
 from workbench.formats import QuantizedTensor, Recipe, dequantize, format_spec, quantize
 from workbench.formats.nvfp4 import get_profile, quantize_nvfp4_parts
 
-from .metrics import at_max_code, block_scales, metrics_from_sums, scale_exponents
+from .metrics import at_max_code, block_scales, count_ratio, metrics_from_sums, scale_exponents
 
 _EXP_SPAN = 4096  # histogram key: expert * span + (exponent + span/2); exponents lie in +-1000
 
@@ -78,9 +78,10 @@ def stack_grids(grids: list[QuantizedTensor]) -> QuantizedTensor:
                            per_expert([g.library_global for g in grids]))
 
 
-def _fp32_mean(mask_EM: torch.Tensor) -> torch.Tensor:
-    # the reference's `bool.float().mean()` per expert: same op, one row per expert
-    return mask_EM.float().mean(-1)
+def _count_ratios(mask_EM: torch.Tensor) -> list[float]:
+    # per expert, the reference's ``metrics.count_ratio``: an exact integer count over n (an fp32
+    # mean would depend on the device's reduction and division: CUDA multiplies by 1/n)
+    return [count_ratio(c, mask_EM.shape[-1]) for c in mask_EM.sum(-1).tolist()]
 
 
 def _zero_counts(q: QuantizedTensor) -> tuple[torch.Tensor, int]:
@@ -93,7 +94,7 @@ def _zero_counts(q: QuantizedTensor) -> tuple[torch.Tensor, int]:
     return ((d == 0) | (d == 0x80)).sum(-1), d.shape[1]
 
 
-def _clip_fracs(w: torch.Tensor, deq: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
+def _clip_fracs(w: torch.Tensor, deq: torch.Tensor, q: QuantizedTensor) -> list[float]:
     """``metrics.clip_fraction`` per expert: 0 where no block comes near its limit (the
     reference's early exit), else the fp32 mean of at-max codes with |w| > |deq|."""
     spec = format_spec(q.fmt)
@@ -103,10 +104,10 @@ def _clip_fracs(w: torch.Tensor, deq: torch.Tensor, q: QuantizedTensor) -> torch
     amax = wk.reshape(*wk.shape[:-1], -1, spec.block).abs().amax(-1)
     near = (amax >= limit * (1 - 1e-5)).reshape(E, -1).any(-1)
     if not bool(near.any()):
-        return torch.zeros(E, device=w.device)
+        return [0.0] * E
     sat = at_max_code(q)[..., :k]
-    frac = _fp32_mean((sat & (w.float().abs() > deq.float().abs())).reshape(E, -1))
-    return torch.where(near, frac, torch.zeros_like(frac))
+    frac = _count_ratios((sat & (w.float().abs() > deq.float().abs())).reshape(E, -1))
+    return [f if n else 0.0 for f, n in zip(frac, near.tolist())]
 
 
 def stack_metrics(w: torch.Tensor, deq: torch.Tensor, q: QuantizedTensor | None) -> list[dict]:
@@ -126,7 +127,7 @@ def stack_metrics(w: torch.Tensor, deq: torch.Tensor, q: QuantizedTensor | None)
     maxs = torch.stack([err.abs().amax(-1), ref.abs().amax(-1)], -1) if ref.shape[1] else \
         torch.zeros(E, 2, device=w.device)
     if q is not None:
-        clip = _clip_fracs(w, deq, q).tolist()
+        clip = _clip_fracs(w, deq, q)
         zeros, n = _zero_counts(q)
         zero = [int(z) / n for z in zeros.tolist()]
     else:
@@ -144,10 +145,11 @@ def stack_mismatch(a: QuantizedTensor, b: QuantizedTensor) -> list[dict]:
     if sa.shape != sb.shape:
         raise ValueError(f"grids differ in block layout: {tuple(a.scale.shape)} vs "
                          f"{tuple(b.scale.shape)}")
-    scale_diff = _fp32_mean(sa != sb)
+    scale_diff = _count_ratios(sa != sb)
     if a.global_scale is not None and b.global_scale is not None:
         ga, gb = a.global_scale.float().reshape(E), b.global_scale.float().reshape(E)
-        scale_diff = torch.where(ga != gb, 1.0, scale_diff)  # NaN != NaN too, as torch.equal
+        scale_diff = [1.0 if g else s  # NaN != NaN too, as torch.equal
+                      for g, s in zip((ga != gb).tolist(), scale_diff)]
     da, db = a.data.view(torch.uint8).reshape(E, -1), b.data.view(torch.uint8).reshape(E, -1)
     if format_spec(a.fmt).packed:
         n_diff = 0
@@ -160,7 +162,7 @@ def stack_mismatch(a: QuantizedTensor, b: QuantizedTensor) -> list[dict]:
         n_diff = ((da != db) & (((da & 0x7F) != 0) | ((db & 0x7F) != 0))).sum(-1)
         n = da.shape[1]
     return [{"scale_mismatch_frac": s, "code_mismatch_frac": d / n if n else 0.0}
-            for s, d in zip(scale_diff.tolist(), n_diff.tolist())]
+            for s, d in zip(scale_diff, n_diff.tolist())]
 
 
 def stack_histograms(q: QuantizedTensor) -> list[list[tuple[int, int]]]:

@@ -29,7 +29,7 @@ from workbench.checkpoint.grid import stored_grid
 from workbench.checkpoint.layouts import FMT_OF_CODEC
 from workbench.formats import QuantizedTensor, Recipe, dequantize
 
-from . import batched
+from . import batched, compiled
 from .metrics import e8m0_exponents
 
 CPU_BATCH_ELEMENTS = 1 << 21  # 2M elements (4 MB BF16, ~1.3 Qwen3 experts): the codecs keep
@@ -227,12 +227,80 @@ def _recipe_rows(w, recipe: Recipe, stored: QuantizedTensor | None) -> tuple[lis
     return ms, batched.stack_histograms(q)
 
 
-def candidate_results(ck, items, recipes: list[Recipe], dev, plan: Plan, progress: bool):
+def _compiled_ok(use_compiled: bool, dev, what: str) -> bool:
+    """Whether the compiled CPU passes (``compiled.py``) are tried for this call (logged)."""
+    if not use_compiled:
+        return False
+    why = compiled.static_reason(dev)
+    compiled.log_choice(what, why)
+    return why is None
+
+
+def _compiled_recipe(w, stored, recipe: Recipe, what: str, compare: bool = True):
+    """(metrics, histograms) of the stack from the compiled pass, or None (reason logged)."""
+    if compiled._BROKEN:
+        return None
+    bad = compiled.recipe_reason(recipe)
+    if bad is not None:
+        compiled.log_choice(f"{what} ({recipe})", bad)
+        return None
+    if not compiled.preferred("recipe", None if stored is None else stored.fmt, recipe.fmt):
+        compiled.log_choice(f"{what} ({'bf16' if stored is None else stored.fmt} -> "
+                            f"{recipe.fmt})", "measured faster batched, compiled.FASTER")
+        return None
+    why = compiled.finite_reason(w, stored)
+    if why is not None:
+        compiled.log_choice(what, why)
+        return None
+    rows = compiled.recipe_rows(w, stored, recipe, compare)
+    if rows is None:
+        return None
+    return [r.metrics for r in rows], [r.hist for r in rows]
+
+
+_MISMATCH = ("scale_mismatch_frac", "code_mismatch_frac")
+
+
+def _candidate_from_grid(loaded: Loaded, recipe: Recipe):
+    """Question 1 on a stored grid is question 3 without its mismatch columns: the closed-form
+    MXFP4 pass (``fused.py``) where it applies, else the compiled pass (the same graphs as
+    ``stored_results``, so one compile serves both questions)."""
+    from . import fused
+
+    grids = loaded.host_grids
+    if fused.static_reason(recipe, loaded.grid.data.device) is None and \
+            len({g.profile for g in grids}) == 1 and \
+            all(fused.grid_reason(g) is None for g in grids):
+        res = fused.stored_vs_recipe(grids, recipe)
+        if res is not None:
+            hs = []
+            for x in res:
+                present = x.byte_counts.nonzero().flatten()
+                hs.append(list(zip(e8m0_exponents(present).tolist(),
+                                   x.byte_counts[present].tolist())))
+            return [x.metrics for x in res], hs
+    return _compiled_recipe(None, loaded.grid, recipe, "candidate recipes")
+
+
+def candidate_results(ck, items, recipes: list[Recipe], dev, plan: Plan, progress: bool,
+                      use_compiled: bool = False):
+    use_compiled = _compiled_ok(use_compiled, dev, "candidate recipes")
+
     def per_batch(recs, loaded):
-        w = loaded.weights()
+        w = None
         out = [([], []) for _ in recs]
         for r in recipes:
-            ms, hs = _recipe_rows(w, r, None)
+            got = None
+            if use_compiled:  # the stored grid is decoded inside the compiled pass
+                got = _compiled_recipe(loaded.dense, None, r, "candidate recipes") \
+                    if loaded.grid is None else \
+                    _candidate_from_grid(loaded, r)
+            if got is not None:  # without the mismatch columns, as the reference
+                ms = [{k: v for k, v in m.items() if k not in _MISMATCH} for m in got[0]]
+                hs = got[1]
+            else:
+                w = loaded.weights() if w is None else w
+                ms, hs = _recipe_rows(w, r, None)
             for (rows, hist), rec, m, h in zip(out, recs, ms, hs):
                 rows.append(_row(rec, str(r), m))
                 hist.extend(_hist(rec, str(r), h))
@@ -242,7 +310,10 @@ def candidate_results(ck, items, recipes: list[Recipe], dev, plan: Plan, progres
                 lambda recs: load_stack(ck, recs, dev), per_batch)
 
 
-def reference_results(ck, reference, items, label: Callable, dev, plan: Plan, progress: bool):
+def reference_results(ck, reference, items, label: Callable, dev, plan: Plan, progress: bool,
+                      use_compiled: bool = False):
+    use_compiled = _compiled_ok(use_compiled, dev, "stored vs reference")
+
     def ref_rec(rec):
         return reference.record(rec.layer, rec.expert, rec.proj, rec.kind)
 
@@ -251,11 +322,22 @@ def reference_results(ck, reference, items, label: Callable, dev, plan: Plan, pr
 
     def per_batch(recs, loaded):
         mine, ref = loaded
-        w, deq = ref.weights(), mine.weights()
-        if w.shape != deq.shape:
-            raise ValueError(f"{recs[0].key}: shape {tuple(deq.shape[1:])} in {ck.path} but "
+        w = ref.weights()
+        shape = mine.grid.shape if mine.grid is not None else tuple(mine.dense.shape)
+        if tuple(w.shape) != tuple(shape):
+            raise ValueError(f"{recs[0].key}: shape {tuple(shape[1:])} in {ck.path} but "
                              f"{tuple(w.shape[1:])} in the reference")
-        ms = batched.stack_metrics(w, deq, mine.grid)
+        ms = None
+        if use_compiled and mine.grid is not None and not compiled._BROKEN:
+            why = compiled.finite_reason(w, mine.grid)
+            if why is None and not compiled.preferred("reference", mine.grid.fmt, None):
+                why = f"{mine.grid.fmt} grids: measured faster batched, compiled.FASTER"
+            if why is None:  # the stored grid is decoded inside the compiled pass
+                ms = compiled.reference_rows(w, mine.grid)
+            else:
+                compiled.log_choice("stored vs reference", why)
+        if ms is None:
+            ms = batched.stack_metrics(w, mine.weights(), mine.grid)
         hs = batched.stack_histograms(mine.grid) if mine.grid is not None else [[]] * len(recs)
         return [([_row(rec, label(rec), m)], _hist(rec, label(rec), h))
                 for rec, m, h in zip(recs, ms, hs)]
@@ -271,6 +353,7 @@ def stored_results(ck, items, recipes: list[Recipe], dev, plan: Plan, progress: 
     from . import fused
 
     fused_ok = dict.fromkeys(recipes, False)
+    use_compiled = _compiled_ok(use_fused, dev, "stored grid vs recipes")
     if use_fused:
         for r in recipes:
             why = fused.static_reason(r, dev)
@@ -298,6 +381,13 @@ def stored_results(ck, items, recipes: list[Recipe], dev, plan: Plan, progress: 
                 hs[i] = list(zip(e8m0_exponents(present).tolist(),
                                  x.byte_counts[present].tolist()))
             rest = [i for i in range(len(recs)) if ms[i] is None]
+            if rest and use_compiled:
+                sub = stored if len(rest) == len(recs) else \
+                    _take(stored, torch.tensor(rest, device=stored.data.device))
+                got = _compiled_recipe(None, sub, r, "stored grid vs recipes")
+                for i, m, h in zip(rest, *(got or ((), ()))):
+                    ms[i], hs[i] = m, h
+                rest = [i for i in range(len(recs)) if ms[i] is None]
             if rest:
                 w = batched.decode_stack(stored) if w is None else w
                 sel = None if len(rest) == len(recs) else torch.tensor(rest, device=w.device)

@@ -22,8 +22,8 @@ The four float sums differ in summation order only: the reference takes fp32 BLA
 accumulators; on the benchmark's 1.5M-element experts the sum of squares is 5e-5 off the float64
 value and rel_err 1e-5), this path sums fp32 per 4096 elements and then in float64 (7e-8).
 
-Anything else takes the batched path (``batched.py``), with the reason logged once: other
-formats, tie rules without a closed form here, bytes outside ``SAFE_BYTES``, padded K, CUDA
+Anything else takes the compiled passes of ``compiled.py`` (or the batched path, ``batched.py``),
+with the reason logged once: other formats, tie rules without a closed form here, bytes outside ``SAFE_BYTES``, padded K, CUDA
 tensors, or a failed compile (no C++ compiler...). Whether this pass is tried at all is
 ``paths.choose_path``'s decision ("fused", the CPU default for large jobs). Compiling costs
 seconds once per process and tie rule (logged); Inductor caches the C++ on disk across runs.
@@ -41,6 +41,8 @@ import torch
 
 from workbench.formats import QuantizedTensor, Recipe, format_spec
 from workbench.formats.mx_profiles import PROFILES, cached_lut, scale_byte
+
+from .metrics import count_ratio, metrics_from_sums
 
 _log = logging.getLogger(__name__)
 SAFE_BYTES = (77, 177)
@@ -215,17 +217,15 @@ def _buffers(chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
     return have[0][:chunks], have[1][:chunks]
 
 
-def _frac32(counts: list[float], n: list[int]) -> list[float]:
-    # what the reference's `bool_tensor.float().mean()` gives: an exact fp32 count over n, in fp32
-    f32 = torch.float32
-    return (torch.tensor(counts, dtype=f32) / torch.tensor(n, dtype=f32)).tolist()
+def _ratios(counts: list[float], n: list[int]) -> list[float]:
+    # the reference's metrics.count_ratio: exact integer counts (fp32 sums of at most 4096 ones
+    # per chunk, added in float64) over n
+    return [count_ratio(round(c), m) for c, m in zip(counts, n)]
 
 
 def stored_vs_recipe(grids: list[QuantizedTensor], recipe: Recipe) -> list[FusedResult] | None:
     """The reference's metrics for each stored grid (``grid_reason`` None, one stored profile)
     re-quantized with ``recipe``, in one compiled call; None when compiling fails (logged)."""
-    from .metrics import metrics_from_sums
-
     if any(g.profile != grids[0].profile for g in grids):
         raise ValueError("one call, one stored profile: the decode table is per profile")
     prof, nw = PROFILES[recipe.profile], len(grids)
@@ -263,8 +263,8 @@ def stored_vs_recipe(grids: list[QuantizedTensor], recipe: Recipe) -> list[Fused
     elems = [n * 32 for n in nblk]
     sums, maxs = sums.tolist(), maxs.tolist()
     lo_hi = [(s_[2:10], s_[10:18]) for s_ in sums]
-    clip = _frac32([lo[6] + hi[6] for lo, hi in lo_hi[:nw]], elems)
-    smis = _frac32([sums[i][1] - pad[i] for i in range(nw)], nblk)
+    clip = _ratios([lo[6] + hi[6] for lo, hi in lo_hi[:nw]], elems)
+    smis = _ratios([sums[i][1] - pad[i] for i in range(nw)], nblk)
     out = []
     for i, (lo, hi) in enumerate(lo_hi[:nw]):
         m = metrics_from_sums(lo[0] + hi[0], lo[1] + hi[1], lo[2] + hi[2], lo[3] + hi[3],

@@ -81,7 +81,15 @@ def clip_fraction(w: torch.Tensor, deq: torch.Tensor, q: QuantizedTensor) -> flo
     if not bool((amax >= limit * (1 - 1e-5)).any()):
         return 0.0
     sat = at_max_code(q)[..., :k]
-    return float((sat & (w.float().abs() > deq.float().abs())).float().mean())
+    # an exact integer count over the element count: an fp32 mean's last bit depends on how a
+    # device reduces and divides (CUDA's mean multiplies by 1/n), a count ratio does not
+    return count_ratio((sat & (w.float().abs() > deq.float().abs())).sum(), sat.numel())
+
+
+def count_ratio(count, n: int) -> float:
+    """``count / n`` of an integer count (a tensor or int) in float64: the same number on every
+    device and path (NaN for n == 0, as the mean of nothing)."""
+    return int(count) / n if n else math.nan
 
 
 def error_metrics(w: torch.Tensor, deq: torch.Tensor, q: QuantizedTensor | None) -> dict[str, float]:
@@ -134,7 +142,7 @@ def grid_mismatch(a: QuantizedTensor, b: QuantizedTensor) -> dict[str, float]:
         n_diff, n = int((ca != cb).sum()), 2 * da.numel()
     else:
         n_diff, n = int(((xa & 0x7F) != 0).logical_or((xb & 0x7F) != 0).sum()), da.numel()
-    scale_diff = float((sa != sb).float().mean())
+    scale_diff = count_ratio((sa != sb).sum(), sa.numel())
     if a.global_scale is not None and b.global_scale is not None and \
             not torch.equal(a.global_scale.float(), b.global_scale.float()):
         scale_diff = 1.0  # every block's effective scale changes with the global

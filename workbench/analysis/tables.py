@@ -130,9 +130,10 @@ def candidate_errors(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "s
     dev = _device(device)
     items = _records(ck, kinds)
     choice = choose_path(path, dev, _elements(items) * len(recs), "candidate recipes")
-    if choice.path != "reference":  # nothing compiled serves question 1: batched
+    if choice.path != "reference":
         return _collect(fast.candidate_results(ck, items, recs, dev, _plan(dev, workers),
-                                               progress), pd)
+                                               progress, use_compiled=choice.path == "fused"),
+                        pd)
 
     def work(rec):
         w = ck.view_of(rec).materialize().to(dev)
@@ -172,7 +173,8 @@ def reference_errors(ck, reference, *, kinds=("routed", "shared", "dense"),
     if choice.path != "reference":
         return _collect(fast.reference_results(ck, reference, items,
                                                lambda rec: _stored_label(ck, rec), dev,
-                                               _plan(dev, workers), progress), pd)
+                                               _plan(dev, workers), progress,
+                                               use_compiled=choice.path == "fused"), pd)
 
     def work(rec):
         ref = reference.view_of(reference.record(rec.layer, rec.expert, rec.proj, rec.kind))

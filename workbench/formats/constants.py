@@ -12,6 +12,18 @@ from dataclasses import dataclass
 
 import torch
 
+
+def div_const(x: torch.Tensor, c: float) -> torch.Tensor:
+    """``x / c`` as one correctly rounded division on every device. ``tensor / python_scalar``
+    is not that on CUDA: ATen computes ``x * (1 / c)`` there when the divisor is a CPU scalar
+    (div_true_kernel_cuda), which misses the quotient by an ulp for some x, so a CUDA quantize
+    (an NVFP4 global ``amax / 2688``, a block scale ``amax / 6``) could differ from the CPU one in
+    the last bit. A divisor tensor on x's device takes the true division kernel everywhere; every
+    constant divided by here (6, 448, 2688, 57344) is exact in bf16, so bf16 inputs divide by
+    the same number as before."""
+    return x / torch.full((), c, dtype=x.dtype, device=x.device)
+
+
 # E2M1 (FP4): low 3 bits index the magnitude, bit 3 is the sign. No Inf, no NaN.
 E2M1_MAGNITUDES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0

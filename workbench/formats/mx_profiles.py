@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .constants import E8M0_BIAS, FormatSpec
+from .constants import E8M0_BIAS, FormatSpec, div_const
 
 # fp32 mantissa field of each element format's max, read once at import: inside a traced
 # function a tensor .item() breaks the graph and dynamo's struct polyfill recurses.
@@ -238,10 +238,10 @@ def scale_byte(amax_B: torch.Tensor, spec: FormatSpec, prof: MXProfile) -> torch
             byte = byte.clamp(max=254)
     elif rule == "rceil-float":
         # torchao's eager fallback and ModelOpt's export: the same fp32 ops, in the same order
-        log2 = torch.log2(amax_B / spec.elem_max)
+        log2 = torch.log2(div_const(amax_B, spec.elem_max))
         byte = torch.ceil(log2).clamp(-E8M0_BIAS, E8M0_BIAS).to(torch.int32) + E8M0_BIAS
     elif rule == "round-up-bits":
-        descale = (amax_B / spec.elem_max).view(torch.int32)
+        descale = div_const(amax_B, spec.elem_max).view(torch.int32)
         byte = ((descale + 0x7FFFFF) & 0x7F800000) >> 23
     else:  # pragma: no cover - __post_init__ guards the names
         raise AssertionError(rule)

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from .constants import E2M1_SIGN_BIT, NVFP4_BLOCK, NVFP4_GLOBAL_DIVISOR
+from .constants import E2M1_SIGN_BIT, NVFP4_BLOCK, NVFP4_GLOBAL_DIVISOR, div_const
 from .elements import e2m1_decode_packed, e2m1_encode, pack_fp4
 from .nvfp4_profiles import PROFILES, NVFP4Profile, get_profile
 
@@ -63,7 +63,7 @@ def from_library_global(g: Tensor | float, profile: str) -> Tensor:
     if form == "decode":
         return g
     if form == "amax":
-        return g / NVFP4_GLOBAL_DIVISOR
+        return div_const(g, NVFP4_GLOBAL_DIVISOR)
     return 1.0 / g
 
 

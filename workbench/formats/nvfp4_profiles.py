@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .constants import E2M1_MAX, E2M1_SIGN_BIT, E4M3_MAX, NVFP4_GLOBAL_DIVISOR
+from .constants import E2M1_MAX, E2M1_SIGN_BIT, E4M3_MAX, NVFP4_GLOBAL_DIVISOR, div_const
 
 Tensor = torch.Tensor
 _FLT_MAX = torch.finfo(torch.float32).max
@@ -59,11 +59,11 @@ def _amax_ignoring_nan(x: Tensor, dim=None) -> Tensor:
 
 
 def _torchao_global(amax: Tensor) -> Tensor:
-    return amax / NVFP4_GLOBAL_DIVISOR  # per_tensor_amax_to_scale
+    return div_const(amax, NVFP4_GLOBAL_DIVISOR)  # per_tensor_amax_to_scale
 
 
 def _torchao_block_scale(bamax: Tensor, pts: Tensor) -> Tensor:
-    return ((bamax / E2M1_MAX) / pts).clamp(_E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn)
+    return (div_const(bamax, E2M1_MAX) / pts).clamp(_E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def _torchao_scaled(x_RBS: Tensor, s: Tensor, pts: Tensor) -> Tensor:
@@ -122,7 +122,7 @@ def _te_decode(c: Tensor, s: Tensor, amax: Tensor) -> Tensor:
 
 
 def _modelopt_global(amax: Tensor) -> Tensor:
-    return amax / (E2M1_MAX * E4M3_MAX)  # weights_scaling_factor_2
+    return div_const(amax, E2M1_MAX * E4M3_MAX)  # weights_scaling_factor_2
 
 
 def _modelopt_block_scale(bamax: Tensor, wsf2: Tensor) -> Tensor:
@@ -155,7 +155,7 @@ def _ct_block_scale(bamax: Tensor, g: Tensor) -> Tensor:
     # calculate_qparams: global * (amax / 6) (the division in bamax's dtype, the product in fp32),
     # rounded to e4m3 after a +-448 clamp, then zeros (including scales that underflow e4m3)
     # replaced by the e4m3 "eps" 0.125.
-    s = (g * (bamax / E2M1_MAX).float()).clamp(-E4M3_MAX, E4M3_MAX)
+    s = (g * div_const(bamax, E2M1_MAX).float()).clamp(-E4M3_MAX, E4M3_MAX)
     s = s.to(torch.float8_e4m3fn).float()
     return torch.where(s == 0, torch.full_like(s, 0.125), s).to(torch.float8_e4m3fn)
 
