@@ -146,3 +146,19 @@ def test_the_writer_check_sees_an_own_write(tmp_path, monkeypatch):
                    "    os.replace(p, p)\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert [b.split(" ")[1] for b in _own_writes(src)] == ["....write_text", "os.replace"]
+
+
+def test_new_files_get_the_umask_mode_and_rewrites_keep_theirs(tmp_path):
+    """mkstemp's 0600 must not leak: a shared run folder's files stay readable by the group and
+    others as a plain open() would leave them, and a rewrite keeps the file's own mode."""
+    old = os.umask(0o027)
+    try:
+        new = atomic_write_text(tmp_path / "new.json", "{}")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(new.stat().st_mode) == 0o640
+    kept = tmp_path / "kept.json"
+    kept.write_text("old")
+    kept.chmod(0o604)
+    atomic_write_text(kept, "new")
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o604 and kept.read_text() == "new"

@@ -40,6 +40,30 @@ def fsync_path(path: str | Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux reports it (os.umask can only
+    be read by setting it, which races with other threads creating files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _final_mode(path: Path) -> int:
+    """What a plain open(path, "w") would leave: the old file's permissions when it exists, else
+    0o666 less the umask. `mkstemp` makes its file 0o600, which would hide run folders' configs,
+    metrics and exported checkpoints from the other users of a shared cluster file system."""
+    try:
+        return path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        return 0o666 & ~_umask()
+
+
 @contextmanager
 def atomic_open(path: str | Path, mode: str = "w", *, encoding: str | None = "utf-8"
                 ) -> Iterator[IO[Any]]:
@@ -51,6 +75,7 @@ def atomic_open(path: str | Path, mode: str = "w", *, encoding: str | None = "ut
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, _final_mode(path))
         with os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as f:
             yield f
             f.flush()
