@@ -138,6 +138,19 @@ def stack_metrics(w: torch.Tensor, deq: torch.Tensor, q: QuantizedTensor | None)
     return rows
 
 
+def code_mismatch_counts(da_EN: torch.Tensor, db_EN: torch.Tensor, packed: bool) -> torch.Tensor:
+    """Per expert, the element codes that differ between two grids' uint8 data [E, N] (packed
+    FP4: two codes a byte), +0 and -0 counted equal (as ``metrics.grid_mismatch``)."""
+    if packed:
+        n_diff = 0
+        for shift in (0, 4):
+            ca, cb = (da_EN >> shift) & 0xF, (db_EN >> shift) & 0xF
+            ca, cb = torch.where(ca & 0x7 == 0, 0, ca), torch.where(cb & 0x7 == 0, 0, cb)
+            n_diff = n_diff + (ca != cb).sum(-1)
+        return n_diff
+    return ((da_EN != db_EN) & (((da_EN & 0x7F) != 0) | ((db_EN & 0x7F) != 0))).sum(-1)
+
+
 def stack_mismatch(a: QuantizedTensor, b: QuantizedTensor) -> list[dict]:
     """``metrics.grid_mismatch(a[e], b[e])`` for every expert e (+0 and -0 the same code)."""
     E = a.data.shape[0]
@@ -151,16 +164,9 @@ def stack_mismatch(a: QuantizedTensor, b: QuantizedTensor) -> list[dict]:
         scale_diff = [1.0 if g else s  # NaN != NaN too, as torch.equal
                       for g, s in zip((ga != gb).tolist(), scale_diff)]
     da, db = a.data.view(torch.uint8).reshape(E, -1), b.data.view(torch.uint8).reshape(E, -1)
-    if format_spec(a.fmt).packed:
-        n_diff = 0
-        for shift in (0, 4):
-            ca, cb = (da >> shift) & 0xF, (db >> shift) & 0xF
-            ca, cb = torch.where(ca & 0x7 == 0, 0, ca), torch.where(cb & 0x7 == 0, 0, cb)
-            n_diff = n_diff + (ca != cb).sum(-1)
-        n = 2 * da.shape[1]
-    else:
-        n_diff = ((da != db) & (((da & 0x7F) != 0) | ((db & 0x7F) != 0))).sum(-1)
-        n = da.shape[1]
+    packed = format_spec(a.fmt).packed
+    n_diff = code_mismatch_counts(da, db, packed)
+    n = (2 if packed else 1) * da.shape[1]
     return [{"scale_mismatch_frac": s, "code_mismatch_frac": d / n if n else 0.0}
             for s, d in zip(scale_diff, n_diff.tolist())]
 

@@ -146,15 +146,7 @@ def _mismatch(stored: QuantizedTensor, q: QuantizedTensor) -> list[torch.Tensor]
     E = q.data.shape[0]
     sa, sb = stored.scale.view(torch.uint8).reshape(E, -1), q.scale.view(torch.uint8).reshape(E, -1)
     da, db = stored.data.view(torch.uint8).reshape(E, -1), q.data.view(torch.uint8).reshape(E, -1)
-    if format_spec(q.fmt).packed:
-        n_diff = 0
-        for shift in (0, 4):
-            ca, cb = (da >> shift) & 0xF, (db >> shift) & 0xF
-            ca, cb = torch.where(ca & 0x7 == 0, 0, ca), torch.where(cb & 0x7 == 0, 0, cb)
-            n_diff = n_diff + (ca != cb).sum(-1)
-    else:
-        n_diff = ((da != db) & (((da & 0x7F) != 0) | ((db & 0x7F) != 0))).sum(-1)
-    return [(sa != sb).sum(-1), n_diff]
+    return [(sa != sb).sum(-1), batched.code_mismatch_counts(da, db, format_spec(q.fmt).packed)]
 
 
 def _recipe_graph(recipe: Recipe, skey: tuple | None, mismatch: bool):
