@@ -60,24 +60,21 @@ def grouped_mm(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor, *,
     check(x_TI, w_EOI, offs)
     if end is not None and not 0 <= end <= x_TI.shape[0]:
         raise ValueError(f"grouped_mm end={end} is outside the {x_TI.shape[0]} rows of x")
-    if x_TI.is_cuda and end is not None:
-        dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-        xc, wc = (x_TI.to(dt), w_EOI.to(dt)) if dt is not None else (x_TI, w_EOI)
-        if fast.usable(xc, wc, end):
-            if w_EOI.shape[0]:
-                torch._assert_async(offs[-1] == end, "grouped_mm: offs[-1] != end")
-            return fast.grouped_mm_cuda(xc, wc, offs, end)
+    if x_TI.is_cuda and torch.is_autocast_enabled("cuda"):
+        # fp32 masters under bf16 autocast: cast as autocast would for a matmul (after fake
+        # quantization, whose values bf16 holds exactly), so the grouped kernel can take them
+        dt = torch.get_autocast_dtype("cuda")
+        x_TI, w_EOI = x_TI.to(dt), w_EOI.to(dt)
+    if x_TI.is_cuda and end is not None and fast.usable(x_TI, w_EOI, end):
+        if w_EOI.shape[0]:
+            torch._assert_async(offs[-1] == end, "grouped_mm: offs[-1] != end")
+        return fast.grouped_mm_cuda(x_TI, w_EOI, offs, end)
     ends = _ends(x_TI, offs)
-    if end is not None and (ends[-1] if ends else 0) != end:
-        raise ValueError(f"grouped_mm end={end} but offs ends at {ends[-1] if ends else 0}")
-    if x_TI.is_cuda:
-        if torch.is_autocast_enabled("cuda"):
-            # fp32 masters under bf16 autocast: cast as autocast would for a matmul (after fake
-            # quantization, whose values bf16 holds exactly), so the grouped kernel can take them
-            dt = torch.get_autocast_dtype("cuda")
-            x_TI, w_EOI = x_TI.to(dt), w_EOI.to(dt)
-        if fast.usable(x_TI, w_EOI, ends[-1] if ends else 0):
-            return fast.grouped_mm_cuda(x_TI, w_EOI, offs, ends[-1])
+    last = ends[-1] if ends else 0
+    if end is not None and last != end:
+        raise ValueError(f"grouped_mm end={end} but offs ends at {last}")
+    if x_TI.is_cuda and fast.usable(x_TI, w_EOI, last):
+        return fast.grouped_mm_cuda(x_TI, w_EOI, offs, last)
     # A loop over experts is the readable reference and is exact on CPU. torch._grouped_mm runs
     # on CPU in torch 2.13 but its backward rejects expanded (stride-0) gradients such as the
     # one from `y.sum()`, and it leaves rows past offs[-1] uninitialised.
@@ -85,9 +82,9 @@ def grouped_mm(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor, *,
     # slicing materialises a full-size zero gradient per expert (quadratic in E: 22x slower
     # backward at E=128 on CPU, measured by the model work).
     start, counts = 0, []
-    for end in ends:
-        counts.append(end - start)
-        start = end
+    for stop in ends:
+        counts.append(stop - start)
+        start = stop
     tail = x_TI.shape[0] - start
     if w_EOI.shape[0] == 0:
         return x_TI.new_zeros(x_TI.shape[0], w_EOI.shape[1])
