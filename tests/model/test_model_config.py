@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
+from workbench.arch import PRESETS
 from workbench.model import MoEConfig, MoEForCausalLM, from_hf_config, preset, tiny, to_hf_config
-from workbench.model.config import PRESETS
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

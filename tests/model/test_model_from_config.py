@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
+from workbench.arch import config_from_dict
 from workbench.model import ModelConfigError, MoEForCausalLM, from_checkpoint
-from workbench.model.config import config_from_dict
 
 # The config.json files of the released checkpoints (Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B on
 # the Hugging Face hub, written by transformers 4.51), copied verbatim.

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from tests.train.conftest import REPO, TINY, env, metrics, run
+from workbench.arch import MoEConfig
 from workbench.launch import LaunchSpec
 from workbench.launch.fits import check_fits
 from workbench.launch.spec import LaunchSpecError
 from workbench.launch.submit import submit
 from workbench.model import MoEForCausalLM, small, tiny
-from workbench.model.config import MoEConfig
 from workbench.train.act_ckpt import apply_activation_checkpointing
 from workbench.train.memory import (
     SavedTensorMeter,

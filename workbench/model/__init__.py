@@ -8,7 +8,7 @@ Expert parallelism: `MoEForCausalLM(cfg, ep_group=group)` or `shard_experts_(mod
 then `sync_gradients(model, group)` after backward.
 """
 
-from workbench.model.config import (
+from workbench.arch import (
     SUPPORTED_ARCHITECTURES,
     ModelConfigError,
     MoEConfig,

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.model.config import MoEConfig
+from workbench.arch import MoEConfig
 
 
 class RMSNorm(nn.Module):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workbench.model.config import MoEConfig
+from workbench.arch import MoEConfig
 from workbench.model.dispatch import LocalDispatcher
 from workbench.model.experts import GroupedExperts
 from workbench.model.layers import SwiGLU

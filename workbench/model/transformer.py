@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.model.config import MoEConfig
+from workbench.arch import MoEConfig
 from workbench.model.experts import GroupedExperts
 from workbench.model.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
 from workbench.model.moe import MoEBlock

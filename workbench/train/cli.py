@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench._io import atomic_write_json, atomic_write_text
-from workbench.model.config import ModelConfigError
+from workbench.arch import ModelConfigError
 from workbench.recipe import RecipeError
 from workbench.train.checkpointing import CheckpointError
 from workbench.train.config import (

@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from workbench.arch import PRESETS
 from workbench.recipe import QATRecipe, RecipeError, parse_qat_recipe
 from workbench.train.resume_config import check_allowed_changes
 
@@ -28,7 +29,7 @@ WANDB_MODES = ("offline", "online", "disabled")
 @dataclass(frozen=True)
 class TrainConfig:
     out: str
-    # Model preset of workbench.model.config.PRESETS; None: the model is the --init
+    # Model preset of workbench.arch.PRESETS; None: the model is the --init
     # checkpoint's own architecture (its config.json).
     preset: str | None = "tiny"
     # W[:PROFILE][+A[:PROFILE]] (workbench.recipe); checked at construction, typed as
@@ -222,8 +223,6 @@ def preset_config(name: str | None, out: str, **overrides: Any) -> TrainConfig:
         return tiny(out, **overrides)
     if name == "small":
         return small(out, **overrides)
-    from workbench.model.config import PRESETS
-
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return gpu(out, name, **overrides)

@@ -35,8 +35,8 @@ import torch.distributed as dist
 from torch import nn
 
 from workbench._io import atomic_write_json, fsync_path
+from workbench.arch import to_hf_config
 from workbench.formats import quantize
-from workbench.model.config import to_hf_config
 from workbench.model.experts import GroupedExperts
 from workbench.qat import convert, prepared_report
 from workbench.recipe import parse_qat_recipe

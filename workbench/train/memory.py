@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from workbench.model.config import MoEConfig
+from workbench.arch import MoEConfig
 from workbench.train.config import ACT_CKPT_MODES
 
 GIB = 2**30

@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workbench.model.config import PRESETS, MoEConfig, from_hf_config, preset
+from workbench.arch import PRESETS, MoEConfig, from_hf_config, preset
 from workbench.train.memory import ACT_CKPT_MODES, GIB, RankMemory, param_counts, rank_memory
 
 # What a rank needs besides the trainer's tensors: CUDA context, NCCL buffers, the allocator's

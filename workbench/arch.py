@@ -3,6 +3,12 @@
 The field set mirrors transformers' `Qwen3MoeConfig` (names are ours, the mapping lives in
 `from_hf_config` / `to_hf_config`), plus an optional shared expert (Qwen2-MoE / DeepSeek style),
 which Qwen3-MoE itself does not have.
+
+It lives at the top level, not in `workbench.model`, and imports only the standard library:
+the launcher (`workbench.launch`) and the trainer's configuration (`workbench.train.config`)
+read presets and checkpoint configs from here without loading torch, which importing anything
+under `workbench.model` does (its `__init__` builds the modules). `workbench.model` re-exports
+the public names.
 """
 
 from __future__ import annotations
