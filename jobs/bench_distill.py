@@ -56,8 +56,8 @@ def bench(a, init: Path) -> list[dict]:
     import torch
 
     from workbench.train import distill, distributed
+    from workbench.train.args import config_from_args
     from workbench.train.build import build
-    from workbench.train.cli import config_from_args
     from workbench.train.data import load_corpus
     from workbench.train.loop import train_step
 

@@ -28,8 +28,8 @@ sys.path.insert(0, str(REPO))
 import torch
 
 from workbench.train import distributed
+from workbench.train.args import config_from_args
 from workbench.train.build import build
-from workbench.train.cli import config_from_args
 from workbench.train.data import load_corpus
 from workbench.train.expert_stats import ExpertStatsRecorder
 from workbench.train.loop import train_step

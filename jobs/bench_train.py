@@ -37,8 +37,8 @@ def throughput(preset: str, steps: int, batch: int, seq: int) -> list[dict]:
     """Both recipes built side by side and stepped alternately on the same global batches, so a
     machine shared with other work slows both alike; medians over steps 3..N."""
     from workbench.train import distributed
+    from workbench.train.args import config_from_args
     from workbench.train.build import build
-    from workbench.train.cli import config_from_args
     from workbench.train.data import load_corpus
     from workbench.train.loop import train_step
 

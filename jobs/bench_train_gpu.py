@@ -87,9 +87,9 @@ _INIT: dict = {}
 
 
 def run_config(args, recipe: str, deterministic: bool, info, tokens, nan_fill: bool = True) -> dict:
-    from workbench.train.build import build
-    from workbench.train.cli import config_from_args
     from workbench.recipe import RecipeError, parse_qat_recipe
+    from workbench.train.args import config_from_args
+    from workbench.train.build import build
     from workbench.train.fqtime import FakeQuantTimer
     from workbench.train.loop import train_step
 

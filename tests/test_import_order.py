@@ -66,6 +66,7 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("workbench.demo", "workbench.train.data"): CLI,
     ("workbench.demo", "workbench.train.tokenizer"): CLI,
     ("workbench.demo", "workbench.train"): CLI,
+    ("workbench.demo", "workbench.train.args"): CLI,
     ("workbench.demo", "workbench.train.cli"): CLI,
     ("workbench.demo", "workbench.train.loop"): CLI,
     ("workbench.formats.api", "workbench.formats.mx"): CYCLE,

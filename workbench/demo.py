@@ -116,7 +116,8 @@ def qat_run(args: list[str], packed: str | os.PathLike) -> dict:
     ``export_model`` call the trainer's ``--export compressed-tensors`` makes, from the same
     fp32 masters: one run, two exports. Returns the trainer's result with ``packed`` added."""
     from workbench.train import distributed
-    from workbench.train.cli import config_from_args, final_summary
+    from workbench.train.args import config_from_args
+    from workbench.train.cli import final_summary
     from workbench.train.export import export_model
     from workbench.train.loop import train
 

@@ -186,7 +186,7 @@ def _probe_load(argv: list[str], info) -> None:
     import torch.distributed as dist
 
     from workbench.train import distributed
-    from workbench.train.cli import config_from_args
+    from workbench.train.args import config_from_args
     from workbench.train.init import load_init
 
     cfg = config_from_args(argv)

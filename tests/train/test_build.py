@@ -11,8 +11,8 @@ from conftest import TINY
 
 from workbench.model import MoEForCausalLM, tiny
 from workbench.train import distributed
+from workbench.train.args import config_from_args
 from workbench.train.build import build, materialize_
-from workbench.train.cli import config_from_args
 
 
 def _no_draw(self, seed=0):

@@ -9,7 +9,7 @@ import lzma
 import pytest
 import torch
 
-from workbench.train.cli import config_from_args
+from workbench.train.args import config_from_args
 from workbench.train.config import TrainConfig, preset_config
 from workbench.train.data import CORPUS_DIR, global_batch, load_corpus, rank_slice
 

@@ -22,7 +22,7 @@ import torch
 
 from workbench.launch import LaunchSpec, submit
 from workbench.launch.submit import _job_env
-from workbench.train.cli import config_from_args
+from workbench.train.args import config_from_args
 from workbench.train.config import TrainConfig
 from workbench.train.determinism import CUBLAS_ENV, CUBLAS_VALUE, enable
 

@@ -23,7 +23,7 @@ def trained(tmp_path_factory):
     """A few real QAT steps per recipe (W=1, in process): model, convert() output, export dir."""
     from workbench.qat import convert
     from workbench.train import distributed
-    from workbench.train.cli import config_from_args
+    from workbench.train.args import config_from_args
     from workbench.train.loop import train
 
     cache = {}

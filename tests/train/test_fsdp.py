@@ -28,8 +28,8 @@ import pytest
 from conftest import REPO, TINY, env, metrics, run
 
 from workbench.model import preset
+from workbench.train.args import config_from_args, trainer_argv
 from workbench.train.build import build_model
-from workbench.train.cli import config_from_args, trainer_argv
 from workbench.train.config import TrainConfig, tiny
 from workbench.train.distributed import DistInfo, Layout
 from workbench.train.memory import rank_memory

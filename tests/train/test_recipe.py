@@ -1,5 +1,5 @@
-"""One recipe grammar at every edge: the parser, TrainConfig, the trainer CLI (and its argv
-writer), LaunchSpec. Expected values are written out from the grammar, not taken from the code."""
+"""One recipe grammar at every edge: the parser, TrainConfig, the trainer's command line
+(workbench.train.args: the parser and its argv writer), LaunchSpec. Expected values are written out from the grammar, not taken from the code."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from workbench.formats.recipe import QATRecipe, Recipe, RecipeError, parse_qat_recipe
-from workbench.train.cli import config_from_args, trainer_argv
+from workbench.train.args import TrainArgsError, config_from_args, parser, trainer_argv
 from workbench.train.config import TrainConfig, tiny
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,6 +106,9 @@ CONFIGS = [
          "project": "p", "resume": True, "allow_config_change": ("steps", "lr")},
     {"data": ("a.jsonl", "b.txt"), "val_data": ("c.jsonl",), "tokenizer": "tok", "token_cache": "tc",
          "grad_clip": 0.0, "warmup": 0, "val_every": 0, "ckpt_every": 0, "batch": 4, "seq": 32},
+    {"recipe": "nvfp4:te+mxfp8", "ep": 2, "fsdp": True, "activation_checkpointing": "full"},
+    {"init": "ckpt", "distill": True, "kd_weight": 0.5, "ce_weight": 0.25, "kd_temperature": 2.0,
+         "export": "bf16", "data": ("d.parquet",)},
 ]
 
 
@@ -125,6 +128,40 @@ def test_trainer_argv_round_trips_distill_and_checkpoint_models(tmp_path):
 def test_trainer_argv_refuses_fields_without_a_flag(tmp_path):
     with pytest.raises(ValueError, match="beta1"):
         trainer_argv(tiny(str(tmp_path), beta1=0.5))
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--nosuch", "1"], "unrecognized arguments: --nosuch 1"),
+    (["--batch", "abc"], "argument --batch: invalid int value: 'abc'"),
+    (["--export", "gguf"], "argument --export: invalid choice: 'gguf'"),
+    (["--allow-config-change", "seed"], "argument --allow-config-change: --allow-config-change seed"),
+    (["--help"], "exits here"),  # a launcher's process (a notebook kernel) must not exit
+])
+def test_raising_parser_refuses_in_one_line(tmp_path, extra, words, capsys):
+    argv = ["--out", str(tmp_path), *extra]
+    with pytest.raises(TrainArgsError) as e:
+        config_from_args(argv, raising=True)
+    assert words in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith("jobs/qat.py: ")
+    if extra != ["--help"]:  # the terminal's parser: usage and exit code 2, as argparse does
+        with pytest.raises(SystemExit) as e:
+            config_from_args(argv)
+        assert e.value.code == 2
+    with pytest.raises(TrainArgsError, match="the following arguments are required: --out"):
+        parser(raising=True).parse_args([])
+
+
+def test_cli_help_and_bad_flag(tmp_path):
+    env = {"TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1", "PATH": "/usr/bin"}
+    p = subprocess.run([sys.executable, "-m", "workbench.train.cli", "--help"], cwd=ROOT,
+                       capture_output=True, text=True, check=False, env=env)
+    assert p.returncode == 0 and "--allow-config-change" in p.stdout, p.stderr
+    assert p.stdout.splitlines()[0].startswith("usage: jobs/qat.py")
+    p = subprocess.run([sys.executable, str(ROOT / "jobs" / "qat.py"), "--out", str(tmp_path),
+                        "--nosuch"], capture_output=True, text=True, check=False, env=env)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert [ln for ln in p.stderr.splitlines() if "error:" in ln] == [
+        "jobs/qat.py: error: unrecognized arguments: --nosuch"]
 
 
 def test_cli_bad_recipe_is_one_line_and_exit_2(tmp_path):

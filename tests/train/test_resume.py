@@ -117,7 +117,8 @@ def test_sigkill_inside_checkpoint_write_leaves_no_complete_checkpoint(tmp_path,
 
 def test_request_stop_checkpoints_and_returns(tmp_path, reference_runs):
     from workbench.train import distributed
-    from workbench.train.cli import config_from_args, main
+    from workbench.train.args import config_from_args
+    from workbench.train.cli import main
     from workbench.train.loop import clear_stop, request_stop, train
 
     out = tmp_path / "run"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from workbench.launch.spec import LaunchSpec, LaunchSpecError
-from workbench.train.cli import config_from_args
+from workbench.train.args import config_from_args
 from workbench.train.plan import Plan, PlanError, model_config_of, plan
 
 

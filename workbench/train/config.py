@@ -14,16 +14,47 @@ The layout is not training semantics: a `--resume` may change it (the checkpoint
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from workbench.arch import PRESETS
 from workbench.recipe import QATRecipe, RecipeError, parse_qat_recipe
-from workbench.train.resume_config import check_allowed_changes
 
 ACT_CKPT_MODES = ("off", "full", "selective")
 EXPORTS = ("compressed-tensors", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
+
+# What a --resume may change (workbench.train.resume_config compares against the checkpoints;
+# here so TrainConfig checks allow_config_change without importing torch). FREE: activation
+# checkpointing recomputes the same numbers; the layout (ep, fsdp) only changes which rank holds
+# which shard; determinism and telemetry change no value the run trains with.
+FREE = frozenset({"out", "resume", "allow_config_change", "init", "val_every", "ckpt_every",
+                  "keep", "export", "wandb", "project", "run_group", "run_name",
+                  "activation_checkpointing", "deterministic", "expert_stats_every",
+                  # the parallel layout: the checkpoint reshards (checkpointing.state_dict), and
+                  # the trained function is the same at every layout (docs/fsdp.md)
+                  "ep", "fsdp"})
+CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup", "grad_clip", "val_batches")
+
+
+def check_allowed_changes(names: Iterable[str]) -> None:
+    """`TrainConfig.allow_config_change` may name only CHANGEABLE fields."""
+    if isinstance(names, str):
+        raise TypeError(f"allow_config_change must be a tuple of field names, got {names!r}")
+    bad = [n for n in names if n not in CHANGEABLE]
+    if bad:
+        raise ValueError(f"--allow-config-change {','.join(bad)}: only {', '.join(CHANGEABLE)} "
+                         "may change on --resume (the others define the run; "
+                         f"{', '.join(sorted(FREE - {'resume', 'allow_config_change'}))} "
+                         "change freely)")
+
+
+def parse_allowed_changes(text: str) -> tuple[str, ...]:
+    """The CLI's `--allow-config-change a,b,c`."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    check_allowed_changes(names)
+    return names
 
 
 @dataclass(frozen=True)

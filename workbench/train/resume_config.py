@@ -15,52 +15,27 @@ e.g. a typed recipe object that serialises to its name, compares the same way):
   (half of a "mxfp4" run trained in bf16, a data stream that restarts at another batch size).
 Checkpoints whose marker predates the recorded configuration are compared on what they hold
 (recipe, preset, seed) plus the run folder's `config.json`.
+
+`FREE` and `CHANGEABLE` live in `workbench.train.config`: `TrainConfig` checks
+`allow_config_change` against them at construction and must import without torch, which this
+module loads (it reads checkpoints).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from workbench.train.checkpointing import candidates
+from workbench.train.config import CHANGEABLE, FREE
 
-# activation checkpointing recomputes the same numbers; the layout (ep, fsdp) only changes
-# which rank holds which shard; determinism and telemetry change no
-# value the run trains with.
-FREE = frozenset({"out", "resume", "allow_config_change", "init", "val_every", "ckpt_every",
-                  "keep", "export", "wandb", "project", "run_group", "run_name",
-                  "activation_checkpointing", "deterministic", "expert_stats_every",
-                  # the parallel layout: the checkpoint reshards (checkpointing.state_dict), and
-                  # the trained function is the same at every layout (docs/fsdp.md)
-                  "ep", "fsdp"})
-CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup", "grad_clip", "val_batches")
 _LEGACY_KEYS = ("recipe", "preset", "seed")  # what markers held before the full configuration
 _CONFIG_JSON_EXTRA = ("world_size", "ep_size", "device")  # config.json's non-TrainConfig keys
 
 
 class ResumeConfigError(ValueError):
     """--resume was given a configuration the run's checkpoints were not trained with."""
-
-
-def check_allowed_changes(names: Iterable[str]) -> None:
-    """`TrainConfig.allow_config_change` may name only CHANGEABLE fields."""
-    if isinstance(names, str):
-        raise TypeError(f"allow_config_change must be a tuple of field names, got {names!r}")
-    bad = [n for n in names if n not in CHANGEABLE]
-    if bad:
-        raise ValueError(f"--allow-config-change {','.join(bad)}: only {', '.join(CHANGEABLE)} "
-                         "may change on --resume (the others define the run; "
-                         f"{', '.join(sorted(FREE - {'resume', 'allow_config_change'}))} "
-                         "change freely)")
-
-
-def parse_allowed_changes(text: str) -> tuple[str, ...]:
-    """The CLI's `--allow-config-change a,b,c`."""
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    check_allowed_changes(names)
-    return names
 
 
 def as_json(cfg: Any) -> dict[str, Any]:
