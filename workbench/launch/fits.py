@@ -1,17 +1,14 @@
 """Refuse a launch that cannot fit before anything is queued (`workbench.train.plan`).
 
-The planner reads the trainer configuration the job will get: the spec's trainer argv parsed by
-the trainer's own parser, so batch, sequence length, recipe and activation checkpointing are
-the job's, not guesses. CPU launches (gpus_per_node == 0) are not checked: the planner models
-GPU memory.
+The planner reads the trainer configuration the job will get (`spec.train_config`, parsed by
+the trainer's own parser when the spec was built), so batch, sequence length, recipe and
+activation checkpointing are the job's, not guesses. CPU launches (gpus_per_node == 0) are not
+checked: the planner models GPU memory.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from workbench.launch.spec import LaunchSpec, LaunchSpecError
-from workbench.train.args import config_from_args
 from workbench.train.plan import Plan, PlanError, model_config_of, plan
 
 
@@ -19,7 +16,7 @@ def plan_for(spec: LaunchSpec) -> Plan | None:
     """The plan of `spec`'s run on its layout, or None for a CPU launch."""
     if spec.gpus_per_node == 0:
         return None
-    cfg = config_from_args(spec.trainer_argv(Path("plan-only")))
+    cfg = spec.train_config
     try:
         mcfg = model_config_of(cfg.init if cfg.init else cfg.preset)
         mcfg = mcfg.replace(max_seq_len=max(cfg.seq, mcfg.max_seq_len))

@@ -6,6 +6,13 @@ expert-data-parallel degree: the world size is `ep * dp == nodes * tasks_per_nod
 contiguous rank blocks, so EP4 x 2 over two nodes of 4 keeps each EP group on one node). `dp > 1`
 needs `fsdp` (FSDP2 shards the dense parameters over the world, the experts over dp; the
 trainer's `--ep N --fsdp`). The defaults (dp 1, no FSDP) are the trainer's EP = world layout.
+
+A spec holds the job's `TrainConfig`, built at construction by the trainer's own parser
+(`workbench.train.args`) from the spec's fields and, for the workbench trainer, `trainer_args`:
+a run the trainer would refuse (an unknown flag, `--batch abc`, an unknown preset, an export the
+recipe cannot write) fails here, not minutes later in the job. The job's argv is written from
+that config by `workbench.train.args.trainer_argv`, next to the parser, so the two cannot drift.
+Both modules are torch-free: `import workbench.launch` and building a spec load no torch.
 """
 
 from __future__ import annotations
@@ -18,15 +25,18 @@ from pathlib import Path
 from types import MappingProxyType
 
 from workbench.recipe import RecipeError, parse_qat_recipe
+from workbench.train.args import TrainArgsError, config_from_args
+from workbench.train.args import trainer_argv as _trainer_argv
+from workbench.train.config import ACT_CKPT_MODES, EXPORTS, WANDB_MODES, TrainConfig
 
 EXECUTORS = ("local", "slurm")
-# The trainer's (workbench.train.config), repeated so a launcher imports no torch; a test pins them.
-EXPORTS = ("compressed-tensors", "bf16")
-WANDB_MODES = ("offline", "online", "disabled")
 DEFAULT_TARGET = "workbench.train.cli:main"
 DEFAULT_STOP_HOOK = "workbench.train.loop:request_stop"
 _DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _NAME = re.compile(r"^[A-Za-z0-9_.+\-]+$")
+# TrainConfig.out of the config a spec holds: the run folder is known only at submit (default
+# folders carry the submission time); train_config and trainer_argv put the real one in.
+_RUN_FOLDER = "<run folder>"
 # Both maps end up in the generated sbatch script (`export KEY=...`, `#SBATCH --key=value`): keys
 # must be plain names, and no value may start a new script line.
 _KEY_RULES = {"env": re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$"),
@@ -96,6 +106,10 @@ class LaunchSpec:
     it); `data` and `val_data` (sequences of sources) are the trainer's `--data`/`--val-data`
     (files or folders, made absolute here and checked to exist, or `hf:NAME[:CONFIG][:SPLIT]`);
     `distill` adds the frozen `init` model as teacher.
+
+    `train_config` is the job's `TrainConfig`, parsed at construction by the trainer's parser
+    from the spec's fields plus `trainer_args` (last flag wins, as in the job); a target other
+    than the workbench trainer gets its `trainer_args` as given, unread here.
     """
 
     preset: str | None = "tiny"
@@ -135,6 +149,8 @@ class LaunchSpec:
     val_data: tuple[str, ...] = ()
     tokenizer: str | None = None
     distill: bool = False
+    # Derived in __post_init__; not a constructor argument, not compared, not in to_json.
+    _train_config: TrainConfig = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -188,8 +204,8 @@ class LaunchSpec:
             bad(f"export must be one of {EXPORTS} or None, got {self.export!r}")
         if not isinstance(self.deterministic, bool):
             bad(f"deterministic must be a bool, got {self.deterministic!r}")
-        if self.activation_checkpointing not in ("off", "full", "selective"):
-            bad(f"activation_checkpointing must be off, full or selective, got "
+        if self.activation_checkpointing not in ACT_CKPT_MODES:
+            bad(f"activation_checkpointing must be one of {ACT_CKPT_MODES}, got "
                 f"{self.activation_checkpointing!r}")
         if not isinstance(self.fsdp, bool):
             bad(f"fsdp must be a bool, got {self.fsdp!r}")
@@ -239,6 +255,30 @@ class LaunchSpec:
         object.__setattr__(self, "env", _frozen_str_map(self.env, "env"))
         if self.folder is not None:
             object.__setattr__(self, "folder", Path(self.folder))
+        object.__setattr__(self, "_train_config", self._build_train_config())
+
+    def _build_train_config(self) -> TrainConfig:
+        """The job's TrainConfig (out: a placeholder), or LaunchSpecError with the trainer's reason
+        on one line."""
+        extra = list(self.trainer_args) if self.target == DEFAULT_TARGET else []
+        try:
+            cfg = config_from_args(self._spec_argv(_RUN_FOLDER) + extra, raising=True)
+        except (TrainArgsError, ValueError) as e:
+            msg = " ".join(str(e).split())
+            raise LaunchSpecError(f"LaunchSpec: the trainer refuses this run: {msg}") from None
+        if cfg.out != _RUN_FOLDER:
+            raise LaunchSpecError(f"LaunchSpec: trainer_args may not set --out ({cfg.out!r}): the "
+                                  "run folder is LaunchSpec.folder (or the one submit picks)")
+        return cfg
+
+    @property
+    def train_config(self) -> TrainConfig:
+        """The TrainConfig the job's trainer runs (`out`: the run folder when `folder` is set,
+        else a placeholder until submit picks one). For a non-default `target` it leaves out
+        `trainer_args`, which only that target reads."""
+        if self.folder is None:
+            return self._train_config
+        return self._train_config.replace(out=str(Path(self.folder).resolve()))
 
     @property
     def world_size(self) -> int:
@@ -256,7 +296,15 @@ class LaunchSpec:
         return "-".join(parts)
 
     def trainer_argv(self, out_dir: str | Path) -> list[str]:
-        """The workbench trainer's command line (`jobs/qat.py` flags) for this spec."""
+        """The job's argv: every field of the spec's TrainConfig as the trainer's flags
+        (`workbench.train.args.trainer_argv`, with `--out out_dir`), plus `trainer_args` as given
+        for a target other than the workbench trainer."""
+        argv = _trainer_argv(self._train_config.replace(out=str(out_dir)))
+        return argv if self.target == DEFAULT_TARGET else argv + list(self.trainer_args)
+
+    def _spec_argv(self, out_dir: str | Path) -> list[str]:
+        """The spec's own fields as trainer flags (without trainer_args): what the TrainConfig
+        is parsed from."""
         argv = (["--preset", self.preset] if self.preset is not None else []) + [
             "--recipe", self.recipe, "--steps", str(self.steps),
             "--out", str(out_dir), "--seed", str(self.seed), "--wandb", self.wandb]
@@ -283,10 +331,10 @@ class LaunchSpec:
             argv += ["--activation-checkpointing", self.activation_checkpointing]
         if self.fsdp:  # without FSDP the trainer's default (EP = world) is this spec's layout
             argv += ["--ep", str(self.ep), "--fsdp"]
-        return argv + list(self.trainer_args)
+        return argv
 
     def to_json(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         d["folder"] = None if self.folder is None else str(self.folder)
         d["sbatch"] = dict(self.sbatch)
         d["env"] = dict(self.env)
@@ -297,7 +345,7 @@ class LaunchSpec:
 
     @classmethod
     def from_json(cls, d: Mapping) -> LaunchSpec:
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(d) - known)
         if unknown:
             raise LaunchSpecError(f"LaunchSpec.from_json: unknown fields {unknown}")
