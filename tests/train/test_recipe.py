@@ -143,7 +143,9 @@ def test_raising_parser_refuses_in_one_line(tmp_path, extra, words, capsys):
         config_from_args(argv, raising=True)
     assert words in str(e.value) and "\n" not in str(e.value)
     assert str(e.value).startswith("jobs/qat.py: ")
-    if extra != ["--help"]:  # the terminal's parser: usage and exit code 2, as argparse does
+    if extra != ["--help"]:  # argparse's message alone: no usage printed, no "prog: error:" twice
+        assert "error:" not in str(e.value) and capsys.readouterr().err == ""
+        # the terminal's parser: usage and exit code 2, as argparse does
         with pytest.raises(SystemExit) as e:
             config_from_args(argv)
         assert e.value.code == 2
