@@ -147,4 +147,7 @@ def cli(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    from workbench.train.distributed import exit_process
+
     cli()
+    exit_process(0)  # no finalisation while gloo threads live (see exit_process)
