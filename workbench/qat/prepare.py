@@ -217,16 +217,21 @@ def convert(model: nn.Module) -> dict[str, QuantizedTensor]:
     if report.recipe.weight is None:
         raise ValueError("recipe fake-quantizes no weights; there is nothing to pack")
     params = dict(model.named_parameters())
-    out: dict[str, QuantizedTensor] = {}
-    for s in report.converted:
-        w = params[s.name].detach()
-        if s.reduction_dim != -1:
-            w = w.transpose(s.reduction_dim, -1).contiguous()
-        kw = {}
-        if report.recipe.weight.fmt == "nvfp4" and w.dim() == 3:
-            kw["global_amax"] = w.abs().amax(dim=(-2, -1), keepdim=True).float()
-        out[s.name] = quantize(w, report.recipe.weight, **kw)
-    return out
+    return {s.name: pack_master(params[s.name], report.recipe.weight, s.reduction_dim)
+            for s in report.converted}
+
+
+def pack_master(w: torch.Tensor, recipe: Recipe, reduction_dim: int = -1) -> QuantizedTensor:
+    """What ``convert`` packs for one master: blocks along ``reduction_dim`` (moved last); a 3-D
+    stack gets one NVFP4 per-tensor scale per expert, from that expert's own amax, so ``w`` must
+    hold whole experts (under FSDP: the gathered stack, never a shard)."""
+    w = w.detach()
+    if reduction_dim != -1:
+        w = w.transpose(reduction_dim, -1).contiguous()
+    kw = {}
+    if recipe.fmt == "nvfp4" and w.dim() == 3:
+        kw["global_amax"] = w.abs().amax(dim=(-2, -1), keepdim=True).float()
+    return quantize(w, recipe, **kw)
 
 
 def prepared_report(model: nn.Module) -> PrepareReport | None:

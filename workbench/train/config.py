@@ -136,9 +136,6 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.ep must be a positive int or None, got {self.ep!r}")
         if not isinstance(self.fsdp, bool):
             raise ValueError(f"TrainConfig.fsdp must be a bool, got {self.fsdp!r}")  # noqa: TRY004
-        if self.fsdp and self.export is not None:
-            raise ValueError("--export with --fsdp is not supported yet: the exporter reads plain "
-                             "(unsharded) parameters; export from a --resume without --fsdp")
         if self.activation_checkpointing not in ACT_CKPT_MODES:
             raise ValueError(f"activation_checkpointing {self.activation_checkpointing!r} is not "
                              f"one of {ACT_CKPT_MODES}")
