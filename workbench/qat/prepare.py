@@ -88,6 +88,15 @@ class GroupedSeam:
                                "parameters of the module; was a parameter replaced after prepare?")
         self._by_name = (weakref.ref(module), [(names[id(p)], r) for p, r in self.weights])
 
+    def weight_recipes(self, module: nn.Module) -> dict[str, Recipe | None]:
+        """{attribute name: recipe} of `module`'s weights as this seam matches them: by name
+        after `match_by_name` (FSDP2 has replaced the parameter objects), else by identity."""
+        if self._by_name is not None:
+            return dict(self._by_name[1])
+        by_id = {id(p): r for p, r in self.weights}
+        return {n: by_id[id(p)] for n, p in module.named_parameters(recurse=False)
+                if id(p) in by_id}
+
     def __call__(self, x_TD: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor, *,
                  end: int | None = None) -> torch.Tensor:
         if self._by_name is not None:

@@ -143,10 +143,8 @@ class TrainConfig:
     @property
     def stats_every(self) -> int:
         """Steps between expert-statistics records (0: none): the validation interval unless
-        set; bf16 runs have no fake quantization to describe; not recorded under --fsdp yet."""
+        set; bf16 runs have no fake quantization to describe."""
         if self.qat_recipe.is_bf16:
-            return 0
-        if self.fsdp:  # the recorder reads whole local expert stacks; FSDP holds shards of them
             return 0
         return self.val_every if self.expert_stats_every is None else self.expert_stats_every
 
