@@ -38,7 +38,7 @@ def main() -> None:
         export_model(b.model, out / f"fsdp-{tag}", fmt=fmt, recipe=recipe)
         if info.rank < ep:
             ref = MoEForCausalLM(model_config(cfg), seed=cfg.seed, ep_group=ref_group,
-                                 dtype=torch.float32)
+                                 device=info.device, dtype=torch.float32)
             prepare_qat(ref, cfg)
             export_model(ref, out / f"ref-{tag}", fmt=fmt, recipe=recipe, group=ref_group)
         dist.barrier()
