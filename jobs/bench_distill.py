@@ -70,7 +70,7 @@ def bench(a, init: Path) -> list[dict]:
                                 str(a.steps), "--batch", str(a.batch), "--seq", str(a.seq),
                                 "--out", "unused", "--lr", "1e-5", *extra])
         b = build(cfg, info)
-        teacher = distill.build_teacher(cfg, info) if cfg.distill else None
+        teacher = distill.build_teacher(cfg, info, b.layout) if cfg.distill else None
         runs[name] = (cfg, b, teacher, [])
     for step in range(1, a.steps + 1):
         for cfg, b, teacher, recs in runs.values():

@@ -102,3 +102,27 @@ def test_ep1_ep2_ep4_same_curve_resume_bitwise_and_export(tmp_path, real):
     ids = torch.tensor([tok(text)["input_ids"][:32]])
     with torch.no_grad():
         assert torch.isfinite(hf(input_ids=ids).logits).all()
+
+
+@pytest.mark.distributed
+def test_fsdp_shards_the_teacher_and_keeps_the_one_process_curve(tmp_path, real):
+    """EP1 x FSDP2 at world 2: the teacher is sharded like the student (each rank holds half of
+    its weights: on CPU both are fp32, so exactly the student's masters' bytes), and the run
+    gives the one-process run's losses within the FSDP tests' 1e-5 (test_fsdp.py)."""
+    steps = 3
+    ref_out, out = tmp_path / "one", tmp_path / "fsdp"
+    run(1, _args(real, ref_out, "mxfp4", steps, "--ckpt-every", "0"), timeout=600)
+    run(2, _args(real, out, "mxfp4", steps, "--ckpt-every", "0", "--ep", "1", "--fsdp"),
+        timeout=600)
+    ref, got = metrics(ref_out), metrics(out)
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, steps + 1))
+    for a, b in zip(ref, got):
+        for k in ("loss", "kl", "grad_norm", "aux_loss", "val_loss", "val_kl", "val_top1_agree",
+                  "teacher_val_loss"):
+            if k in a:
+                assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (k, a["step"])
+    assert "val_kl" in got[-1]
+    assert ref[0]["mem_teacher_bytes"] == ref[0]["mem_masters_bytes"]  # replicated, one process
+    assert got[0]["mem_teacher_bytes"] == got[0]["mem_masters_bytes"]  # sharded like the student
+    assert got[0]["mem_teacher_bytes"] < 0.6 * ref[0]["mem_teacher_bytes"]
+

@@ -93,6 +93,32 @@ def test_expert_parallel_gives_the_same_table_as_ep1(tmp_path):
             pd.testing.assert_series_equal(other[col], base[col], rtol=1e-6, check_names=False)
 
 
+@pytest.mark.distributed
+def test_fsdp_layouts_give_the_same_table_as_one_process(tmp_path):
+    """EP1 x FSDP2 (world 2: every expert split between the ranks) and EP2 x FSDP2 (world 4).
+    With MXFP8 activations, so `act_amax` needs the max over the dp ranks (each saw its own
+    tokens); rows come once per expert (dp rank 0 of each EP slice). Tolerances as the EP test's:
+    the layouts train the same function up to float summation order (docs/fsdp.md)."""
+    def table(nproc, flags):
+        out = tmp_path / f"w{nproc}{'_'.join(flags)}"
+        run(nproc, [*TINY, "--recipe", "mxfp4+mxfp8", "--steps", "4", "--out", str(out),
+                    "--ckpt-every", "0", "--val-every", "0", "--expert-stats-every", "2", *flags])
+        df = read_expert_stats(out).sort_values(["step", "layer", "expert", "proj"])
+        return df.reset_index(drop=True)
+
+    base = table(1, [])
+    assert base["act_amax"].notna().any()
+    for nproc, ep in ((2, "1"), (4, "2")):
+        other = table(nproc, ["--ep", ep, "--fsdp"])
+        assert list(other["expert"]) == list(base["expert"]), (nproc, len(other), len(base))
+        assert list(other["step"]) == list(base["step"])
+        assert list(other["load"]) == list(base["load"])
+        for col in ("rel_err", "sqnr_db", "sat_frac", "amax", "churn", "act_amax"):
+            pd.testing.assert_series_equal(other[col], base[col], rtol=1e-6, check_names=False,
+                                           obj=f"{col} at world {nproc}")
+        assert list(other["scale_exp_hist"].map(list)) == list(base["scale_exp_hist"].map(list))
+
+
 def test_saturation_and_clipping_against_constructed_blocks():
     # One block of 32 per row: amax 6 * 2^-3 lands exactly on the largest FP4 code under RCEIL
     # (one saturated, nothing clipped); under FLOOR an amax of 7 * 2^-3 is clipped to 6 * 2^-3.

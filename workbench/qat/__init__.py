@@ -1,7 +1,7 @@
 """QAT: straight-through fake quantization, the grouped fake-quant GEMM, prepare/convert."""
 
 from .grouped import grouped_mm
-from .prepare import PrepareReport, convert, prepare, prepared_report, unprepare
+from .prepare import PrepareReport, convert, pack_master, prepare, prepared_report, unprepare
 from .recipe import QATRecipe, parse_qat_recipe
 from .ste import FakeQuantHook, fake_quant_reference, fake_quant_ste, register_fake_quant_hook
 
@@ -13,6 +13,7 @@ __all__ = [
     "fake_quant_reference",
     "fake_quant_ste",
     "grouped_mm",
+    "pack_master",
     "parse_qat_recipe",
     "prepare",
     "prepared_report",

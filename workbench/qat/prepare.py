@@ -88,6 +88,15 @@ class GroupedSeam:
                                "parameters of the module; was a parameter replaced after prepare?")
         self._by_name = (weakref.ref(module), [(names[id(p)], r) for p, r in self.weights])
 
+    def weight_recipes(self, module: nn.Module) -> dict[str, Recipe | None]:
+        """{attribute name: recipe} of `module`'s weights as this seam matches them: by name
+        after `match_by_name` (FSDP2 has replaced the parameter objects), else by identity."""
+        if self._by_name is not None:
+            return dict(self._by_name[1])
+        by_id = {id(p): r for p, r in self.weights}
+        return {n: by_id[id(p)] for n, p in module.named_parameters(recurse=False)
+                if id(p) in by_id}
+
     def __call__(self, x_TD: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor, *,
                  end: int | None = None) -> torch.Tensor:
         if self._by_name is not None:
@@ -217,16 +226,21 @@ def convert(model: nn.Module) -> dict[str, QuantizedTensor]:
     if report.recipe.weight is None:
         raise ValueError("recipe fake-quantizes no weights; there is nothing to pack")
     params = dict(model.named_parameters())
-    out: dict[str, QuantizedTensor] = {}
-    for s in report.converted:
-        w = params[s.name].detach()
-        if s.reduction_dim != -1:
-            w = w.transpose(s.reduction_dim, -1).contiguous()
-        kw = {}
-        if report.recipe.weight.fmt == "nvfp4" and w.dim() == 3:
-            kw["global_amax"] = w.abs().amax(dim=(-2, -1), keepdim=True).float()
-        out[s.name] = quantize(w, report.recipe.weight, **kw)
-    return out
+    return {s.name: pack_master(params[s.name], report.recipe.weight, s.reduction_dim)
+            for s in report.converted}
+
+
+def pack_master(w: torch.Tensor, recipe: Recipe, reduction_dim: int = -1) -> QuantizedTensor:
+    """What ``convert`` packs for one master: blocks along ``reduction_dim`` (moved last); a 3-D
+    stack gets one NVFP4 per-tensor scale per expert, from that expert's own amax, so ``w`` must
+    hold whole experts (under FSDP: the gathered stack, never a shard)."""
+    w = w.detach()
+    if reduction_dim != -1:
+        w = w.transpose(reduction_dim, -1).contiguous()
+    kw = {}
+    if recipe.fmt == "nvfp4" and w.dim() == 3:
+        kw["global_amax"] = w.abs().amax(dim=(-2, -1), keepdim=True).float()
+    return quantize(w, recipe, **kw)
 
 
 def prepared_report(model: nn.Module) -> PrepareReport | None:

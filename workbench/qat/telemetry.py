@@ -120,7 +120,7 @@ def code_churn(prev: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 class ExpertStack:
     layer: int  # index of the decoder layer
     proj: str  # gate / up / down
-    param: nn.Parameter
+    param: nn.Parameter  # under FSDP2 the sharded DTensor of the EP slice's stack
     recipe: Recipe
     expert_offset: int  # global index of the stack's first expert
     module: GroupedExperts
@@ -134,12 +134,12 @@ def quantized_stacks(model: nn.Module) -> list[ExpertStack]:
         if not isinstance(seam, GroupedSeam):
             continue
         layer = int(name.split(".")[2])  # model.layers.{L}.mlp.experts
-        by_param = {id(p): r for p, r in seam.weights}
+        recipes = seam.weight_recipes(mod)  # by name under FSDP (workbench.train.fsdp)
         for pname, proj in PROJ_OF.items():
-            p = getattr(mod, pname)
-            recipe = by_param.get(id(p))
+            recipe = recipes.get(pname)
             if recipe is not None:
-                out.append(ExpertStack(layer, proj, p, recipe, mod.expert_offset, mod))
+                out.append(ExpertStack(layer, proj, getattr(mod, pname), recipe,
+                                       mod.expert_offset, mod))
     return out
 
 

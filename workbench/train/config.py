@@ -168,9 +168,6 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.ep must be a positive int or None, got {self.ep!r}")
         if not isinstance(self.fsdp, bool):
             raise ValueError(f"TrainConfig.fsdp must be a bool, got {self.fsdp!r}")  # noqa: TRY004
-        if self.fsdp and self.export is not None:
-            raise ValueError("--export with --fsdp is not supported yet: the exporter reads plain "
-                             "(unsharded) parameters; export from a --resume without --fsdp")
         if self.activation_checkpointing not in ACT_CKPT_MODES:
             raise ValueError(f"activation_checkpointing {self.activation_checkpointing!r} is not "
                              f"one of {ACT_CKPT_MODES}")
@@ -178,10 +175,8 @@ class TrainConfig:
     @property
     def stats_every(self) -> int:
         """Steps between expert-statistics records (0: none): the validation interval unless
-        set; bf16 runs have no fake quantization to describe; not recorded under --fsdp yet."""
+        set; bf16 runs have no fake quantization to describe."""
         if self.qat_recipe.is_bf16:
-            return 0
-        if self.fsdp:  # the recorder reads whole local expert stacks; FSDP holds shards of them
             return 0
         return self.val_every if self.expert_stats_every is None else self.expert_stats_every
 

@@ -16,10 +16,15 @@ positions where student and teacher argmax agree) and `teacher_val_loss` (the te
 the same batches: the floor `val_loss` recovers towards).
 
 The teacher is a second workbench model, built exactly like the student (same config, same
-expert sharding: each rank holds and reads only its own experts, its MoE layers use the same
-all-to-all), loaded from --init, never QAT-prepared, `requires_grad_(False)`, eval mode. On GPU
-it is stored in BF16 (it is frozen: no master copy is needed); on CPU in fp32 like the student,
-so with recipe bf16 student and teacher compute the same logits bit for bit.
+layout: each rank holds and reads only its own experts, its MoE layers use the same all-to-all,
+and under --fsdp it is sharded by `workbench.train.fsdp.apply_fsdp` like the student, so a rank
+holds a 1/world share of its dense weights and a 1/dp share of its EP slice's experts), loaded
+from --init before sharding, never QAT-prepared, `requires_grad_(False)`, eval mode. On GPU it
+is stored in BF16 (it is frozen: no master copy is needed); on CPU in fp32 like the student, so
+with recipe bf16 student and teacher compute the same logits bit for bit. Under FSDP every
+teacher forward is followed by a reshard: with no backward to follow, FSDP would otherwise keep
+the root unit (embeddings, lm_head) gathered between steps. The loop logs the bytes of the
+teacher's weights a rank holds as `mem_teacher_bytes` (first step, max over ranks).
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.train.data import global_batch, rank_slice
-from workbench.train.distributed import DistInfo, all_reduce_sum
+from workbench.train.distributed import DistInfo, Layout, all_reduce_sum
+from workbench.train.fsdp import apply_fsdp, reshard_
 
 
 def kl_per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
@@ -43,26 +49,39 @@ def kl_per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
     return F.kl_div(s, t, reduction="batchmean", log_target=True)
 
 
-def build_teacher(cfg, info: DistInfo) -> nn.Module:
-    """The frozen BF16 teacher, sharded like the student; collective (reads --init)."""
+def build_teacher(cfg, info: DistInfo, layout: Layout | None = None) -> nn.Module:
+    """The frozen BF16 teacher, sharded like the student (`layout`: the student's; None: EP =
+    world, no FSDP); collective (reads --init, and shards under FSDP)."""
     from workbench.train.build import build_model
     from workbench.train.init import load_init
 
-    teacher = build_model(cfg, info, overwritten=True)
-    load_init(cfg.init, teacher, info)
+    teacher = build_model(cfg, info, overwritten=True, layout=layout)
+    load_init(cfg.init, teacher, info)  # into the plain EP-local tensors, before FSDP
     teacher.requires_grad_(False)
     if info.device.type == "cuda":
         # Parameters only: the RoPE inverse frequencies (a buffer) stay fp32, as the student's.
         for p in teacher.parameters():
             p.data = p.data.to(torch.bfloat16)
+    if layout is not None and layout.fsdp:
+        apply_fsdp(teacher, layout, info.device)
+    teacher.layout = layout
     return teacher.eval()
+
+
+def teacher_forward(teacher: nn.Module, tok_BS: torch.Tensor, **kw):
+    """The teacher's output; under FSDP its units are resharded after it (see the module doc)."""
+    out = teacher(tok_BS, **kw)
+    layout = getattr(teacher, "layout", None)
+    if layout is not None and layout.fsdp:
+        reshard_(teacher)
+    return out
 
 
 def objective(res: Any, teacher: nn.Module, tok_BS: torch.Tensor, cfg, aux_coef: float
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the loss to backpropagate, kl at T=1 detached) for the student's output `res`."""
     with torch.no_grad():
-        t_logits = teacher(tok_BS).logits[:, :-1]
+        t_logits = teacher_forward(teacher, tok_BS).logits[:, :-1]
     s_logits = res.logits[:, :-1]  # the positions CE scores: token t predicts t+1
     T = cfg.kd_temperature
     kd = kl_per_token(s_logits, t_logits, T)
@@ -89,7 +108,7 @@ def validate(model: nn.Module, teacher: nn.Module, val, cfg, info: DistInfo, aut
         tok_BS = tok_BS.to(info.device)
         with autocast():
             out = model(tok_BS, labels_BS=tok_BS)
-            t_out = teacher(tok_BS, labels_BS=tok_BS)
+            t_out = teacher_forward(teacher, tok_BS, labels_BS=tok_BS)
         s, t = out.logits[:, :-1], t_out.logits[:, :-1]
         agree = (s.argmax(-1) == t.argmax(-1)).double().mean()
         sums += torch.tensor([float(out.ce_loss), float(kl_per_token(s, t)), float(agree),

@@ -19,6 +19,10 @@ How it is computed: statistics batched per [E, O, I] stack on the device that ho
 (rank-local under expert parallelism), loads counted by a forward hook on every router (summed
 over ranks with one all-reduce), activation maxima by a forward pre-hook on every expert module;
 rank 0 gathers the rows (a few numbers per expert) and rewrites the parquet file atomically.
+Under FSDP (workbench.train.fsdp) a stack is a Shard(1) DTensor over the dp ranks of its EP
+slice: they gather it (`full_tensor()`, one stack at a time), so the statistics (NVFP4's amax
+above all) are those of whole experts, and only dp rank 0 of each slice computes and reports
+its rows; the dp ranks' activation maxima (each saw its own tokens) are max-reduced first.
 Summary scalars per record, logged next to the loss: `expert_worst_rel_err`,
 `experts_zero_load` (this interval), `experts_dead` (zero load in each of the last
 `dead_intervals` intervals), `expert_mean_churn`.
@@ -32,12 +36,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from workbench._io import atomic_open
 from workbench.model.experts import GroupedExperts
 from workbench.model.router import TopKRouter
 from workbench.qat.telemetry import (
     EXP_LO,
+    PROJ_OF,
     ExpertStack,
     activation_recipe,
     code_churn,
@@ -47,6 +53,7 @@ from workbench.qat.telemetry import (
 from workbench.train.distributed import DistInfo
 
 FILE = "expert_stats.parquet"
+_ATTR = {proj: attr for attr, proj in PROJ_OF.items()}  # gate -> w1, ...
 
 
 class ExpertStatsRecorder:
@@ -56,6 +63,12 @@ class ExpertStatsRecorder:
                  resume_step: int | None = None) -> None:
         self.info, self.path = info, Path(out) / FILE
         self.stacks: list[ExpertStack] = quantized_stacks(model)
+        layout = getattr(model, "layout", None)
+        self.fsdp = layout is not None and layout.fsdp
+        # Under FSDP the dp ranks of an EP slice hold pieces of the same experts (rank = d * ep
+        # + e): dp rank 0 reports them; the group max-reduces the activation maxima.
+        self.reports = not self.fsdp or info.rank // layout.ep == 0
+        self.dp_group = layout.dp_group if self.fsdp and layout.dp > 1 else None
         self.dead_intervals = dead_intervals
         cfg = model.config
         self.E, self.layers = cfg.num_experts, sorted({s.layer for s in self.stacks})
@@ -127,9 +140,17 @@ class ExpertStatsRecorder:
         load = self.load.clone()
         if info.group is not None:
             dist.all_reduce(load, group=info.group)
+        for t in self.act_amax.values():
+            if self.dp_group is not None:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp_group)
         rows = []
         for s in self.stacks:
-            st = stack_stats(s.param, s.recipe)
+            w = getattr(s.module, _ATTR[s.proj])
+            if isinstance(w, DTensor):
+                w = w.full_tensor()  # every dp rank of the slice: a collective over them
+            if not self.reports:
+                continue
+            st = stack_stats(w, s.recipe)
             key = (s.layer, s.proj)
             prev = self._prev_codes.get(key)
             churn = code_churn(prev, st.codes) if prev is not None else None

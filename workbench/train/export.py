@@ -17,7 +17,9 @@ Two layouts:
 
 Every EP rank writes its own shard (rank 0 adds the dense tensors) into a temporary folder; rank 0
 merges one `model.safetensors.index.json`, writes `config.json`, fsyncs and renames the folder into
-place, so a crash never leaves a folder that looks like a finished export.
+place, so a crash never leaves a folder that looks like a finished export. Under FSDP
+(`model.layout.fsdp`) rank 0 alone writes the same files, streamed (`_write_fsdp`): byte for byte
+the export of the same weights without FSDP at the same EP size.
 """
 
 from __future__ import annotations
@@ -36,11 +38,13 @@ from torch import nn
 
 from workbench._io import atomic_write_json, fsync_path
 from workbench.arch import to_hf_config
-from workbench.formats import quantize
+from workbench.formats import format_spec
 from workbench.model.experts import GroupedExperts
-from workbench.qat import convert, prepared_report
+from workbench.qat import convert, pack_master, prepared_report
 from workbench.recipe import parse_qat_recipe
 from workbench.scope import QuantScope, infer_class
+from workbench.train.fsdp import reshard_
+from workbench.train.safetensors_stream import StreamedFile, nbytes
 
 INDEX_FILE = "model.safetensors.index.json"
 CT_VERSION = "0.20.1"  # the compressed-tensors release whose on-disk layout this reproduces
@@ -98,6 +102,15 @@ def _experts_modules(model: nn.Module):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, GroupedExperts)]
 
 
+def _pack(x: torch.Tensor, recipe, site=None):
+    """The QuantizedTensor of one whole [E, out, in] stack: as `convert()` packs the site when
+    the model is prepared, else the codec on the master (NVFP4: one global scale per expert, the
+    EP-invariant choice, as every expert is its own Linear on disk)."""
+    if site is None:
+        return pack_master(x, recipe)
+    return pack_master(x, recipe, site.reduction_dim)
+
+
 def _packed_experts(model: nn.Module, recipe, packed: Mapping[str, Any] | None) -> dict[str, Any]:
     """{param name: QuantizedTensor [E_local, out, in]} for every routed-expert stack."""
     names = [f"{n}.{w}" for n, _ in _experts_modules(model) for w in _PROJ]
@@ -105,50 +118,67 @@ def _packed_experts(model: nn.Module, recipe, packed: Mapping[str, Any] | None) 
         if prepared_report(model) is not None:
             packed = convert(model)
         else:
-            # Not prepared for QAT: quantize the masters directly. NVFP4 gets one global scale
-            # per expert (the EP-invariant choice, as every expert is its own Linear on disk).
-            packed = {}
-            for n, m in _experts_modules(model):
-                for w in _PROJ:
-                    x = getattr(m, w).detach()
-                    kw = {}
-                    if recipe.fmt == "nvfp4":
-                        kw["global_amax"] = x.float().abs().amax(dim=(1, 2), keepdim=True)
-                    packed[f"{n}.{w}"] = quantize(x, recipe, **kw)
+            packed = {f"{n}.{w}": _pack(getattr(m, w), recipe)
+                      for n, m in _experts_modules(model) for w in _PROJ}
     missing = [n for n in names if n not in packed]
     if missing:
         raise ExportError(f"packed weights lack the routed-expert stacks {missing[:4]}")
     return {n: packed[n] for n in names}
 
 
-def _expert_tensors(model: nn.Module, fmt: str, recipe, packed) -> dict[str, torch.Tensor]:
+def _stack_tensors(module: str, w: str, offset: int, fmt: str, recipe, stack,
+                   shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """The on-disk tensors of one routed-expert stack whose first expert is global `offset`:
+    `stack` is the [E, out, in] master (bf16) or its QuantizedTensor (compressed-tensors)."""
+    proj = _PROJ[w]
     out: dict[str, torch.Tensor] = {}
     if fmt == "bf16":
-        for n, m in _experts_modules(model):
-            for w, proj in _PROJ.items():
-                stack = getattr(m, w).detach()
-                for k in range(m.num_experts):
-                    out[f"{n}.{m.expert_offset + k}.{proj}.weight"] = stack[k].to(torch.bfloat16)
+        for k in range(stack.shape[0]):
+            out[f"{module}.{offset + k}.{proj}.weight"] = stack[k].to(torch.bfloat16)
         return out
-    q_by_name = _packed_experts(model, recipe, packed)
+    q = stack
+    if q.fmt != recipe.fmt:
+        raise ExportError(f"{module}.{w} is packed as {q.fmt}, the export asks for {recipe.fmt}")
+    if tuple(q.shape) != tuple(shape):
+        raise ExportError(f"{module}.{w}: packed logical shape {q.shape} != parameter shape "
+                          f"{tuple(shape)}")
+    gs = q.global_scale
+    for k in range(q.shape[0]):
+        base = f"{module}.{offset + k}.{proj}"
+        out[f"{base}.weight_packed"] = q.data[k].contiguous()
+        out[f"{base}.weight_scale"] = q.scale[k].contiguous()
+        if recipe.fmt == "nvfp4":
+            g = gs.float().reshape(-1)
+            g = g[k] if g.numel() > 1 else g[0]
+            # compressed-tensors stores the encode direction: x_q = x * gs / scale.
+            out[f"{base}.weight_global_scale"] = (1.0 / g).reshape(1).contiguous()
+    return out
+
+
+def _stack_entries(fmt: str, recipe, out_dim: int, in_dim: int
+                   ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """{suffix: (dtype, shape)} of one expert projection on disk, as `_stack_tensors` writes it
+    (the streamed writer checks every tensor against this)."""
+    if fmt == "bf16":
+        return {"weight": (torch.bfloat16, (out_dim, in_dim))}
+    spec = format_spec(recipe.fmt)
+    blocks = -(-in_dim // spec.block)
+    scale = torch.uint8 if spec.scale == "e8m0" else torch.float8_e4m3fn
+    out = {"weight_packed": (torch.uint8, (out_dim, blocks * spec.block // 2)),
+           "weight_scale": (scale, (out_dim, blocks))}
+    if recipe.fmt == "nvfp4":
+        out["weight_global_scale"] = (torch.float32, (1,))
+    return out
+
+
+def _expert_tensors(model: nn.Module, fmt: str, recipe, packed) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    q_by_name = None if fmt == "bf16" else _packed_experts(model, recipe, packed)
     for n, m in _experts_modules(model):
-        for w, proj in _PROJ.items():
-            q = q_by_name[f"{n}.{w}"]
-            if q.fmt != recipe.fmt:
-                raise ExportError(f"{n}.{w} is packed as {q.fmt}, the export asks for {recipe.fmt}")
-            if tuple(q.shape) != tuple(getattr(m, w).shape):
-                raise ExportError(f"{n}.{w}: packed logical shape {q.shape} != parameter shape "
-                                  f"{tuple(getattr(m, w).shape)}")
-            gs = q.global_scale
-            for k in range(m.num_experts):
-                base = f"{n}.{m.expert_offset + k}.{proj}"
-                out[f"{base}.weight_packed"] = q.data[k].contiguous()
-                out[f"{base}.weight_scale"] = q.scale[k].contiguous()
-                if recipe.fmt == "nvfp4":
-                    g = gs.float().reshape(-1)
-                    g = g[k] if g.numel() > 1 else g[0]
-                    # compressed-tensors stores the encode direction: x_q = x * gs / scale.
-                    out[f"{base}.weight_global_scale"] = (1.0 / g).reshape(1).contiguous()
+        for w in _PROJ:
+            p = getattr(m, w)
+            stack = p.detach() if q_by_name is None else q_by_name[f"{n}.{w}"]
+            out.update(_stack_tensors(n, w, m.expert_offset, fmt, recipe, stack, tuple(p.shape)))
     return out
 
 
@@ -253,17 +283,29 @@ def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
                  recipe: str | None = None, profile: str | None = None,
                  group: dist.ProcessGroup | None = None, packed: Mapping[str, Any] | None = None,
                  scope=None) -> Path:
-    """Collective under EP (every rank of `group` calls it). Returns `out_dir`.
+    """Collective under EP (every rank of `group` calls it) and under FSDP (every rank of the
+    world). Returns `out_dir`.
 
     fmt "compressed-tensors" packs the weight format of `recipe` ("mxfp4", "mxfp4+mxfp8" ->
     MXFP4 weights; "nvfp4"); `packed` may pass `workbench.qat.convert(model)`'s output, else it
-    is computed (convert() when the model is prepared, the codec otherwise)."""
+    is computed (convert() when the model is prepared, the codec otherwise). A model sharded by
+    `workbench.train.fsdp` (`model.layout.fsdp`) is streamed (`_write_fsdp`); `packed` is then
+    refused, as it would hold shards."""
     from safetensors.torch import save_file
 
     if fmt not in ("bf16", "compressed-tensors"):
         raise ExportError(f"export format must be 'bf16' or 'compressed-tensors', got {fmt!r}")
-    rank = dist.get_rank(group) if group is not None else 0
-    world = dist.get_world_size(group) if group is not None else 1
+    layout = getattr(model, "layout", None)
+    fsdp = layout is not None and layout.fsdp
+    if fsdp:
+        if packed is not None:
+            raise ExportError("export_model(packed=...) under FSDP: the packer must see whole "
+                              "experts, so the streamed export packs them itself")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        group = None if world == 1 else dist.group.WORLD
+    else:
+        rank = dist.get_rank(group) if group is not None else 0
+        world = dist.get_world_size(group) if group is not None else 1
     out_dir = Path(out_dir)
     tmp = out_dir.parent / f".tmp-{out_dir.name}"
     wrecipe = arecipe = None
@@ -278,49 +320,150 @@ def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
             raise ExportError(f"recipe {recipe!r}: compressed-tensors has no dynamic activation "
                               f"scheme for {arecipe.fmt!r}; use --export bf16")
 
-    tensors = _expert_tensors(model, fmt, wrecipe, packed)
-    if rank == 0:
-        tensors = {**_dense_tensors(model), **tensors}
-    shard = f"model-{rank + 1:05d}-of-{world:05d}.safetensors"
     if rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    if group is not None:
-        dist.barrier(group=group)
-    save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
-    fsync_path(tmp / shard)
-    # stored shapes travel with the names: the targets/ignore check needs to know what is a matrix
-    entry = (shard, {k: tuple(tensors[k].shape) for k in sorted(tensors)},
-             sum(t.numel() * t.element_size() for t in tensors.values()))
-    entries = [entry]
-    if group is not None:
-        entries = [None] * world
-        dist.all_gather_object(entries, entry, group=group)
+    if fsdp:
+        entries = _write_fsdp(model, layout, tmp, fmt, wrecipe)  # rank 0 alone writes
+    else:
+        tensors = _expert_tensors(model, fmt, wrecipe, packed)
+        if rank == 0:
+            tensors = {**_dense_tensors(model), **tensors}
+        shard = f"model-{rank + 1:05d}-of-{world:05d}.safetensors"
+        if group is not None:
+            dist.barrier(group=group)
+        save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
+        fsync_path(tmp / shard)
+        # stored shapes travel with the names: the targets/ignore check needs to know what is a
+        # matrix
+        entry = (shard, {k: tuple(tensors[k].shape) for k in sorted(tensors)},
+                 sum(t.numel() * t.element_size() for t in tensors.values()))
+        entries = [entry]
+        if group is not None:
+            entries = [None] * world
+            dist.all_gather_object(entries, entry, group=group)
 
     if rank == 0:
-        weight_map = {k: s for s, keys, _ in entries for k in keys}
-        shapes = {k: shape for _, keys, _ in entries for k, shape in keys.items()}
-        hf_cfg = _hf_config(model)
-        if fmt == "compressed-tensors":
-            if scope is None:
-                scope = QuantScope.preset("routed-experts", str(wrecipe))
-            packed_modules = {k.rpartition(".")[0] for k in weight_map if k.endswith(".weight_packed")}
-            targets, ignore = ct_targets_ignore(scope, shapes, packed_modules)
-            hf_cfg["quantization_config"] = ct_quantization_config(
-                wrecipe.fmt, targets, ignore, None if arecipe is None else arecipe.fmt)
-        index = {"metadata": {"total_size": sum(n for _, _, n in entries)},
-                 "weight_map": dict(sorted(weight_map.items()))}
-        for name, obj in ((INDEX_FILE, index), ("config.json", hf_cfg)):
-            atomic_write_json(tmp / name, obj, indent=2, sort_keys=True)
-        old = out_dir.parent / f".old-{out_dir.name}"
-        recover_swap(out_dir)
-        if out_dir.exists():
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        fsync_path(out_dir.parent)
-        if old.exists():
-            shutil.rmtree(old)
+        _finish(model, out_dir, tmp, entries, fmt, wrecipe, arecipe, scope)
     if group is not None:
         dist.barrier(group=group)
     return out_dir
+
+
+def _finish(model, out_dir: Path, tmp: Path, entries, fmt, wrecipe, arecipe, scope) -> None:
+    """Rank 0, once every shard is on disk: the index and config.json, then the swap into place.
+    `entries`: (shard file, {name: shape}, bytes) per shard."""
+    weight_map = {k: s for s, keys, _ in entries for k in keys}
+    shapes = {k: shape for _, keys, _ in entries for k, shape in keys.items()}
+    hf_cfg = _hf_config(model)
+    if fmt == "compressed-tensors":
+        if scope is None:
+            scope = QuantScope.preset("routed-experts", str(wrecipe))
+        packed_modules = {k.rpartition(".")[0] for k in weight_map if k.endswith(".weight_packed")}
+        targets, ignore = ct_targets_ignore(scope, shapes, packed_modules)
+        hf_cfg["quantization_config"] = ct_quantization_config(
+            wrecipe.fmt, targets, ignore, None if arecipe is None else arecipe.fmt)
+    index = {"metadata": {"total_size": sum(n for _, _, n in entries)},
+             "weight_map": dict(sorted(weight_map.items()))}
+    for name, obj in ((INDEX_FILE, index), ("config.json", hf_cfg)):
+        atomic_write_json(tmp / name, obj, indent=2, sort_keys=True)
+    old = out_dir.parent / f".old-{out_dir.name}"
+    recover_swap(out_dir)
+    if out_dir.exists():
+        os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    fsync_path(out_dir.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+# ---------------------------------------------------------------------------------------------
+# The streamed export of an FSDP model (workbench.train.fsdp): the same files as the export of
+# the same weights without FSDP at the same EP size, one shard file per EP index (the dense
+# tensors in the first), written by rank 0 alone. Each file's header is computed from shapes
+# first (workbench.train.safetensors_stream); then every rank walks the same units in the same
+# order, joining the gathers that concern it, and rank 0 writes each unit at its offset as it
+# arrives. A unit is one dense parameter (`full_tensor()` over the world) or one MoE layer's
+# stacks of one EP slice (`full_tensor()` over that slice's dp ranks, packed from whole experts
+# by the slice's dp-rank-0 = global rank k, then sent to rank 0), so no rank holds more than one
+# unit (plus the shards FSDP keeps anyway).
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _write_fsdp(model: nn.Module, layout, tmp: Path, fmt: str, wrecipe) -> list | None:
+    reshard_(model)  # a no-grad forward can leave the root gathered: read the shards
+    rank, ep = dist.get_rank(), layout.ep
+    e_idx, d_idx = rank % ep, rank // ep  # Layout: rank = d * ep + e
+    report = prepared_report(model)
+    sites = {s.name: s for s in report.converted} if report is not None else {}
+    wr = report.recipe.weight if report is not None else wrecipe
+    experts = _experts_modules(model)
+    expert_mods = {n for n, _ in experts}
+    dense = [(n, p) for n, p in model.named_parameters()  # a tied lm_head appears once
+             if n.rpartition(".")[0] not in expert_mods]
+    device = next(model.parameters()).device
+    entries = []
+    for k in range(ep):
+        shard = f"model-{k + 1:05d}-of-{ep:05d}.safetensors"
+        units: list[tuple[str, Any, dict]] = []
+        if k == 0:
+            units += [("dense", (n, p), {n: (torch.bfloat16, tuple(p.shape))}) for n, p in dense]
+        for n, m in experts:
+            names: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+            for w, proj in _PROJ.items():
+                E, O, I = getattr(m, w).shape  # a DTensor's shape is the EP slice's [E, O, I]
+                per = _stack_entries(fmt, wrecipe, O, I)
+                for j in range(E):
+                    for suffix, de in per.items():
+                        names[f"{n}.{k * E + j}.{proj}.{suffix}"] = de
+            units.append(("experts", (n, m), names))
+        plan = {name: de for _, _, names in units for name, de in names.items()}
+        writer = StreamedFile(tmp / shard, plan, {"format": "pt"}) if rank == 0 else None
+        for kind, obj, names in units:
+            if kind == "dense":
+                n, p = obj
+                full = _full(p)  # every rank: a collective over the world
+                if writer is not None:
+                    writer.write(n, full.detach().to(torch.bfloat16))
+                del full
+                continue
+            n, m = obj
+            tensors = None
+            if e_idx == k:  # the dp ranks of EP slice k gather it (a collective over them)
+                stacks = {w: _full(getattr(m, w)).detach() for w in _PROJ}
+                if d_idx == 0:
+                    tensors = {}
+                    for w, x in stacks.items():
+                        payload = x if fmt == "bf16" else _pack(x, wr, sites.get(f"{n}.{w}"))
+                        tensors.update(_stack_tensors(n, w, k * x.shape[0], fmt, wrecipe,
+                                                      payload, tuple(x.shape)))
+                del stacks
+            if k != 0:  # global rank k (dp index 0 of slice k) sends the unit to rank 0
+                order = sorted(names)
+                if rank == k:
+                    if set(tensors) != set(names):
+                        raise ExportError(f"{n}: the packed tensors do not match the plan")
+                    dist.send(torch.cat([tensors[x].reshape(-1).view(torch.uint8)
+                                         for x in order]), dst=0)
+                    tensors = None
+                elif rank == 0:
+                    sizes = [nbytes(*names[x]) for x in order]
+                    buf = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+                    dist.recv(buf, src=k)
+                    tensors = {x: b.view(names[x][0]).view(names[x][1])
+                               for x, b in zip(order, buf.split(sizes))}
+            if writer is not None:
+                for x, t in tensors.items():
+                    writer.write(x, t)
+            del tensors
+        if writer is not None:
+            writer.close()
+            entries.append((shard, {x: plan[x][1] for x in sorted(plan)},
+                            sum(nbytes(*de) for de in plan.values())))
+    return entries if rank == 0 else None

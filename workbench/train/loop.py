@@ -190,6 +190,8 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
     sched.step()
     mem = {**state_bytes(model, opt), "mem_activations_bytes": meter.bytes} if measure_memory \
         else {}
+    if mem and teacher is not None:  # the frozen teacher's weights this rank holds
+        mem["mem_teacher_bytes"] = state_bytes(teacher, None)["mem_masters_bytes"]
     opt.zero_grad(set_to_none=True)
     ce = float(res.ce_loss.detach())  # the step's host synchronisation
     share = fq_timer.take()[0] / (time.perf_counter() - t0) if timing else 0.0
@@ -241,7 +243,7 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
     b = build(cfg, info, resuming=cfg.resume and bool(ckpt.candidates(out)))
     model, opt, sched = b.model, b.opt, b.sched
     corpus = load_train_data(cfg, info, model.config.vocab_size)
-    teacher = distill.build_teacher(cfg, info) if cfg.distill else None
+    teacher = distill.build_teacher(cfg, info, b.layout) if cfg.distill else None
 
     start = 0
     if cfg.resume:  # the newest checkpoint that verifies and loads (says which it skipped)
