@@ -42,7 +42,7 @@ GIB = 2**30
 
 def ensure_preset(name: str) -> str:
     """Register `BASE-L<n>-V<v>` in the model preset table (a plain dict) when it is not there."""
-    from workbench.model import config as mc
+    from workbench import arch as mc
 
     if name in mc.PRESETS:
         return name

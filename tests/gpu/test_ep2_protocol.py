@@ -30,7 +30,7 @@ driver = _load("ep2_driver")
 
 
 def test_preset_variant_keeps_expert_shapes():
-    from workbench.model import config as mc
+    from workbench import arch as mc
     from workbench.train.config import preset_config
 
     name = driver.ensure_preset("qwen3_30b_a3b_like-L2-V256")
