@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import IO, Any
 
 __all__ = ["atomic_open", "atomic_write_bytes", "atomic_write_json", "atomic_write_text",
-           "fsync_path"]
+           "fsync_path", "new_file_mode"]
 
 
 def fsync_path(path: str | Path) -> None:
@@ -54,6 +54,13 @@ def _umask() -> int:
     return mask
 
 
+def new_file_mode() -> int:
+    """The permissions a plain open(path, "w") gives a new file: 0o666 less the umask. Writers
+    that do not create their files themselves (safetensors' `save_file` leaves 0o600) set it
+    after, so what we export is as readable as anything else the user writes."""
+    return 0o666 & ~_umask()
+
+
 def _final_mode(path: Path) -> int:
     """What a plain open(path, "w") would leave: the old file's permissions when it exists, else
     0o666 less the umask. `mkstemp` makes its file 0o600, which would hide run folders' configs,
@@ -61,7 +68,7 @@ def _final_mode(path: Path) -> int:
     try:
         return path.stat().st_mode & 0o7777
     except FileNotFoundError:
-        return 0o666 & ~_umask()
+        return new_file_mode()
 
 
 @contextmanager

@@ -463,3 +463,22 @@ def test_targets_ignore_cover_dense_layers_and_a_tied_head(tmp_path, caplog):
     said += [r.getMessage() for r in caplog.records]
     assert not [m for m in said if "Could not match" in m], said
     assert [n for n, m in hf.named_modules() if getattr(m, "quantization_scheme", None)] == []
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask022", "umask027"])
+@pytest.mark.parametrize("fmt", ["bf16", "compressed-tensors"])
+def test_export_files_get_the_users_umask(tmp_path, fmt, umask):
+    """An export on a shared cluster file system must be readable by whoever the umask lets read
+    the user's files (vLLM often runs as another user): every file, shards included, gets the
+    mode a plain open() would give, 0o666 less the umask. (safetensors writes 0o600.)"""
+    from workbench.model import MoEForCausalLM, tiny
+
+    old = os.umask(umask)
+    try:
+        path = export_model(MoEForCausalLM(tiny(), seed=0), tmp_path / "x", fmt=fmt,
+                            **({"recipe": "mxfp4"} if fmt != "bf16" else {}))
+    finally:
+        os.umask(old)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in path.iterdir()}
+    assert any(n.endswith(".safetensors") for n in modes), modes
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask), {n: oct(m) for n, m in modes.items()}

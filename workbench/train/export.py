@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workbench._io import atomic_write_json, fsync_path
+from workbench._io import atomic_write_json, fsync_path, new_file_mode
 from workbench.arch import to_hf_config
 from workbench.formats import format_spec
 from workbench.model.experts import GroupedExperts
@@ -355,6 +355,8 @@ def _finish(model, out_dir: Path, tmp: Path, entries, fmt, wrecipe, arecipe, sco
     """Rank 0, once every shard is on disk: the index and config.json, then the swap into place.
     `entries`: (shard file, {name: shape}, bytes) per shard."""
     weight_map = {k: s for s, keys, _ in entries for k in keys}
+    for shard, _, _ in entries:  # save_file makes 0o600 files: others on the cluster could not
+        os.chmod(tmp / shard, new_file_mode())  # read the export (nor vLLM under another user)
     shapes = {k: shape for _, keys, _ in entries for k, shape in keys.items()}
     hf_cfg = _hf_config(model)
     if fmt == "compressed-tensors":
