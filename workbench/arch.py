@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,6 +136,23 @@ def k3_like(num_layers: int = 4, **overrides: Any) -> MoEConfig:
 
 PRESETS = {"tiny": tiny, "small": small, "qwen3_30b_a3b_like": qwen3_30b_a3b_like,
            "k3_like": k3_like}
+
+
+_PRESET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def register_preset(name: str, fn: Callable[..., MoEConfig]) -> str:
+    """Add a model preset (a function of keyword overrides returning a `MoEConfig`) under `name`,
+    for this process: what drivers that sweep shapes (the EP protocol's `BASE-L<n>-V<v>`) call
+    instead of writing into `PRESETS`. Names are checked because they travel into run folders,
+    Slurm job names and shell lines; an existing name is never replaced."""
+    if not isinstance(name, str) or not _PRESET_NAME.fullmatch(name):
+        raise ValueError(f"preset name {name!r}: 1-64 letters, digits, '_', '.', '-' "
+                         "(starting with a letter or digit)")
+    if name in PRESETS:
+        raise ValueError(f"preset {name!r} is already registered")
+    PRESETS[name] = fn
+    return name
 
 
 def preset(name: str, **overrides: Any) -> MoEConfig:

@@ -56,8 +56,7 @@ def ensure_preset(name: str) -> str:
         return base(**{"num_layers": layers, "vocab_size": vocab, **overrides})
 
     variant.__doc__ = f"{m['base']} with {layers} layers and vocabulary {vocab} (ep2 protocol)"
-    mc.PRESETS[name] = variant
-    return name
+    return mc.register_preset(name, variant)
 
 
 def _rss_gib() -> float:

@@ -91,3 +91,26 @@ def test_init_is_seeded_per_tensor_and_leaves_global_rng_alone():
     experts = a.model.layers[0].mlp.experts.w1
     assert not torch.equal(experts[0], experts[1])
     assert isinstance(a.config, MoEConfig)
+
+
+def test_register_preset_adds_and_refuses():
+    from workbench import arch
+
+    def two_layers(**kw):
+        return arch.tiny(**{"num_layers": 2, **kw})
+
+    name = "tiny-two-layers-test"
+    try:
+        assert arch.register_preset(name, two_layers) == name
+        assert arch.preset(name).num_layers == 2
+        assert arch.preset(name, num_layers=3).num_layers == 3  # overrides still reach it
+        with pytest.raises(ValueError, match="already registered"):
+            arch.register_preset(name, two_layers)
+        with pytest.raises(ValueError, match="already registered"):
+            arch.register_preset("tiny", two_layers)  # a built-in is never replaced
+        for bad in ("", "a b", "x;rm -rf", "-leading", "a" * 65, "../up"):
+            with pytest.raises(ValueError, match="preset name"):
+                arch.register_preset(bad, two_layers)
+    finally:
+        arch.PRESETS.pop(name, None)
+    assert arch.PRESETS["tiny"] is arch.tiny
