@@ -8,6 +8,12 @@ import os
 import pytest
 
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+# Nothing in the suite may need the network (CI machines have none, and a resolver that drops
+# packets turns a hub lookup into a long stall, not an error): the Hugging Face libraries answer
+# from local files or fail at once. Set here, before any test imports them; subprocesses and
+# Slurm jobs inherit it.
+for _var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ.setdefault(_var, "1")
 
 
 def _cuda() -> bool:
