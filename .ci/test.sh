@@ -22,7 +22,9 @@ fi
 # Tests write only to temporary or ignored folders: the clone's status must be the same after.
 status() { git status --porcelain --untracked-files=normal 2>/dev/null; }
 before=$(status)
-.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadgroup "$@"
+# --durations: the slowest tests end every log, so a run that nears CI's limit says where the
+# time went.
+.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadgroup --durations=25 "$@"
 rc=$?
 if [ "$rc" = 5 ]; then echo "pytest collected no tests"; fi
 after=$(status)
