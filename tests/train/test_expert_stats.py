@@ -76,6 +76,29 @@ def test_load_sums_to_topk_tokens_per_layer_and_interval(tmp_path, recipe):
         assert ((trained["act_amax"] > 0) == (trained["load"] > 0)).all()
 
 
+def _same_table(other: pd.DataFrame, base: pd.DataFrame, continuous: tuple, shares: tuple,
+                what: str) -> None:
+    """Two layouts' tables of the same run. At step 0 the weights are the same bits, so only the
+    order of the statistics' own sums may differ: 1e-6. After updates the layouts' weights differ
+    by float summation order (gradients reduced over other rank sets), Adam turns that into more
+    for elements whose gradient is near zero, and a weight on the other side of an FP4 rounding
+    boundary moves by a whole step (tests/train/test_fsdp.py saw 1.3e-5 relative in the loss by
+    step 3; here rel_err once differed by 1.7e-6 in one row of 144 on another CPU): 1e-4 for the
+    continuous metrics, and at most two elements for the shares of elements (saturated, changed
+    code). A table from the wrong rank, shard or step differs in every row by far more."""
+    cfg = tiny()
+    n = cfg.hidden_size * cfg.expert_ffn  # elements of each expert projection
+    first = (base["step"] == 0).to_numpy()
+    assert first.any() and (~first).any(), "the tables need a step-0 record and a later one"
+    for col in continuous:
+        for rows, rtol in ((first, 1e-6), (~first, 1e-4)):
+            pd.testing.assert_series_equal(other[col][rows], base[col][rows], rtol=rtol,
+                                           check_names=False, obj=f"{col} ({what})")
+    for col in shares:
+        pd.testing.assert_series_equal(other[col], base[col], rtol=0, atol=2.001 / n,
+                                       check_names=False, obj=f"{col} ({what})")
+
+
 @pytest.mark.distributed
 def test_expert_parallel_gives_the_same_table_as_ep1(tmp_path):
     tables = {}
@@ -89,8 +112,8 @@ def test_expert_parallel_gives_the_same_table_as_ep1(tmp_path):
         other = tables[nproc].reset_index(drop=True)
         assert list(other["expert"]) == list(base["expert"])
         assert list(other["load"]) == list(base["load"])
-        for col in ("rel_err", "sqnr_db", "sat_frac", "amax", "churn"):
-            pd.testing.assert_series_equal(other[col], base[col], rtol=1e-6, check_names=False)
+        _same_table(other, base, ("rel_err", "sqnr_db", "amax"), ("sat_frac", "churn"),
+                    f"EP{nproc}")
 
 
 @pytest.mark.distributed
@@ -113,9 +136,8 @@ def test_fsdp_layouts_give_the_same_table_as_one_process(tmp_path):
         assert list(other["expert"]) == list(base["expert"]), (nproc, len(other), len(base))
         assert list(other["step"]) == list(base["step"])
         assert list(other["load"]) == list(base["load"])
-        for col in ("rel_err", "sqnr_db", "sat_frac", "amax", "churn", "act_amax"):
-            pd.testing.assert_series_equal(other[col], base[col], rtol=1e-6, check_names=False,
-                                           obj=f"{col} at world {nproc}")
+        _same_table(other, base, ("rel_err", "sqnr_db", "amax", "act_amax"),
+                    ("sat_frac", "churn"), f"world {nproc}")
         assert list(other["scale_exp_hist"].map(list)) == list(base["scale_exp_hist"].map(list))
 
 
