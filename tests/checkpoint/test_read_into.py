@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from writers import save_sharded
 
 from workbench.checkpoint import index as index_mod
 from workbench.checkpoint.errors import CheckpointError, CorruptShardError, UnsafePathError
 from workbench.checkpoint.index import ShardIndex, selection
-from writers import save_sharded
 
 DTYPES = [torch.uint8, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e8m0fnu]
 
@@ -123,7 +123,7 @@ def test_read_into_refuses_a_buffer_of_another_shape_or_dtype(shards):
 
 
 def test_stats_count_each_read_into_once(shards):
-    folder, tensors = shards
+    folder, _ = shards
     idx = ShardIndex(folder)
     idx.read_into("stack.1", (1, slice(0, 4)), torch.empty(4, 8, dtype=torch.bfloat16))
     idx.read_into("stack.1", (1, slice(0, 6, 2)), torch.empty(3, 8, dtype=torch.bfloat16))

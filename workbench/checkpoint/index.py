@@ -399,8 +399,9 @@ class ShardIndex:
         e = self.entry(name)
         with self._lock:
             h = self._handle(e.file)
-        # the copy runs unlocked: the handle is a read-only mmap whose methods take `&self`
-        # (no interior mutation), and the reference held here keeps it alive when another
+        # the copy runs unlocked: safetensors' handle methods take `&self`, get_slice clones an
+        # Arc of the storage, the mmap'd storage is read-only (its mmap=False mode locks its
+        # own file mutex), and the reference held here keeps the handle alive when another
         # thread evicts it from the cache
         try:
             # whole-tensor reads (scalars, global scales) need no slice
@@ -481,7 +482,7 @@ _PREADV = hasattr(os, "preadv")  # not on Windows: read_into copies `read` there
 class _Fd:
     """An open shard descriptor and how many readers use it (guarded by the index lock)."""
 
-    __slots__ = ("fd", "users", "retired")
+    __slots__ = ("fd", "retired", "users")
 
     def __init__(self, fd: int):
         self.fd, self.users, self.retired = fd, 0, False
