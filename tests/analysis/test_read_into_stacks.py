@@ -7,6 +7,7 @@ including E8M0-typed scales and gpt-oss's [.., K/32, 16] blocks with interleaved
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -154,3 +155,53 @@ def test_truncated_shard_fails_the_table_naming_the_file(tmp_path):
     with pytest.raises(CorruptShardError, match="truncated after the index was built") as ei:
         stored_vs_recipes(ck, ["mxfp4:rceil"], progress=False, path="batched", device="cpu")
     assert ei.value.path == str(shard)
+
+
+def _load_in_child(ck, recs, q) -> None:
+    stack, _ = fast._read_grid_stack(ck, recs, CPU)
+    q.put(bytes(stack.data.reshape(-1).numpy()))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_read_pool_works_in_a_forked_child(tmp_path):
+    """A child forked after the read pool started (a DataLoader worker, say) gets a pool of its
+    own: the inherited executor has no threads there and would never run a read."""
+    import multiprocessing as mp
+
+    import writers
+
+    ck = open_checkpoint(writers.write_ct(tmp_path / "ck", "mxfp4"))
+    recs = _batches(ck, 1 << 30)[0]
+    want = bytes(fast._read_grid_stack(ck, recs, CPU)[0].data.reshape(-1).numpy())
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_load_in_child, args=(ck, recs, q))
+    p.start()
+    try:
+        got = q.get(timeout=120)  # a guard against a hang, not a timing assertion
+    finally:
+        p.join(30)
+        if p.exitcode is None:
+            p.kill()
+    assert got == want and p.exitcode == 0
+
+
+@pytest.mark.gpu
+def test_cuda_stack_equals_stack_grids_of_stored_grid(ck):
+    """On CUDA: pinned buffers, one async copy per buffer on the reader's stream; the device
+    stack is the host path's bit for bit, and the host grids stay views of pinned memory."""
+    dev = torch.device("cuda")
+    for recs in _batches(ck, 1 << 30):
+        want = batched.stack_grids([stored_grid(ck, r) for r in recs])
+        stack, host = fast._read_grid_stack(ck, recs, dev)
+        assert stack.data.is_cuda and stack.scale.is_cuda
+        assert all(g.data.is_pinned() and g.scale.is_pinned() for g in host)
+        torch.cuda.synchronize()
+
+        def cpu(t):
+            return None if t is None else t.cpu()
+
+        got = dataclasses.replace(stack, data=cpu(stack.data), scale=cpu(stack.scale),
+                                  global_scale=cpu(stack.global_scale),
+                                  library_global=cpu(stack.library_global))
+        assert _same_grid(got, want), [r.key for r in recs]

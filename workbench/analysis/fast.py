@@ -147,16 +147,20 @@ def _stage_grid(q: QuantizedTensor, dev: torch.device) -> QuantizedTensor:
 
 
 _POOL_LOCK = threading.Lock()
-_POOL: list[ThreadPoolExecutor] = []
+_POOL: dict[int, ThreadPoolExecutor] = {}
 
 
 def _read_pool() -> ThreadPoolExecutor:
     """The process's read threads, shared by every reader of the pipeline (their tasks never
-    wait on another task, so sharing cannot deadlock)."""
+    wait on another task, so sharing cannot deadlock). Keyed by process id: a forked child
+    inherits the executor but not its threads, and would wait forever on its futures."""
     with _POOL_LOCK:
-        if not _POOL:
-            _POOL.append(ThreadPoolExecutor(READ_THREADS, thread_name_prefix="workbench-read"))
-        return _POOL[0]
+        pool = _POOL.get(os.getpid())
+        if pool is None:
+            _POOL.clear()  # a parent's executor: its threads do not exist here
+            pool = _POOL[os.getpid()] = ThreadPoolExecutor(READ_THREADS,
+                                                           thread_name_prefix="workbench-read")
+        return pool
 
 
 def _read_grid_stack(ck, recs: list, dev: torch.device):
