@@ -9,7 +9,8 @@ reads, host-to-device copies and the math of the current batch overlap. Stored g
 straight into their stack buffers (``ShardIndex.read_into``: one preadv per member and part,
 spread over a small pool of read threads, no intermediate tensor, no lock held over a copy);
 ``WORKBENCH_ANALYSIS_READER=safetensors`` keeps the older path (``stored_grid`` per member,
-``torch.stack``, a copy into the pinned buffer) to measure against. The math (decode,
+``torch.stack``, a copy into the pinned buffer) to measure against; the default ``auto`` takes
+preadv on CUDA only (see ``READER``). The math (decode,
 re-quantize, metrics, histograms) runs on the whole stack on the device (``batched.py``); only
 a few numbers per expert come back. At most ``ahead + 1`` batches are alive, which bounds host
 and device memory.
@@ -42,9 +43,12 @@ CPU_BATCH_ELEMENTS = 1 << 21  # 2M elements (4 MB BF16, ~1.3 Qwen3 experts): the
 CUDA_BATCH_ELEMENTS = 1 << 28  # 256M elements: a whole layer's experts per launch on a GPU
 
 READER_ENV = "WORKBENCH_ANALYSIS_READER"
-READERS = ("preadv", "safetensors")
-# read once: the benchmark runs each reader in its own process to compare them
-READER = os.environ.get(READER_ENV, "preadv")
+READERS = ("auto", "preadv", "safetensors")
+# read once: the benchmark runs each reader in its own process to compare them. "auto": preadv
+# on CUDA (what issue #20 targets; not yet timed there), safetensors on CPU, where whole tables
+# measured 4-5x slower with preadv on a loaded 2-core host although the loads alone took ~10x
+# less CPU (cause not found; README / docs/analysis.md)
+READER = os.environ.get(READER_ENV, "auto")
 # threads reading the members of one batch: the pipeline's ``ahead`` batches alone keep too few
 # reads in flight to fill a fast disk or the page cache's copy bandwidth
 READ_THREADS = max(2, min(8, os.cpu_count() or 2))
@@ -235,8 +239,9 @@ def load_stack(ck, recs: list, dev: torch.device, *, want_grid_only: bool = Fals
     """Read one batch's records (one signature) and stage them on ``dev`` as a stack."""
     if READER not in READERS:
         raise ValueError(f"{READER_ENV}={READER!r}: must be one of {', '.join(READERS)}")
+    reader = READER if READER != "auto" else "preadv" if dev.type == "cuda" else "safetensors"
     if _grid_codec(ck, recs[0]):
-        got = _read_grid_stack(ck, recs, dev) if READER == "preadv" else None
+        got = _read_grid_stack(ck, recs, dev) if reader == "preadv" else None
         if got is not None:
             return Loaded(got[0], got[1], None)
         grids = [stored_grid(ck, r) for r in recs]
