@@ -14,7 +14,10 @@ page cache (pages evicted):
 - per question, the default path (``path="auto"``: batched on CUDA, batched or fused on CPU) in
   a fresh process: the first call (imports, any compile included) and a second call;
 - with ``--reference``, the reference path once, and the fast table compared with it (counts and
-  histograms equal? largest relative difference of the float-sum metrics).
+  histograms equal? largest relative difference of the float-sum metrics);
+- with ``--readers safetensors,preadv``, each question's default path once per stack reader
+  (``WORKBENCH_ANALYSIS_READER``, set in each fresh process), so the old reader is the new one's
+  baseline in the same run, and the tables of the two are compared.
 
 Throughput is GB/s of the files the question reads; ``vs read`` is the read time over the pass
 time; memory is peak anonymous RSS growth during the pass (and peak CUDA memory), also as a
@@ -22,6 +25,8 @@ multiple of one expert projection's BF16 size.
 
     python jobs/bench_analysis.py --size-gb 0.1 --reference     # CPU, a minute or two
     python jobs/bench_analysis.py --size-gb 15 --cleanup         # GPU host (see docs/analysis.md)
+    python jobs/bench_analysis.py --size-gb 15 --cleanup --formats mxfp4 \
+        --questions stored_vs_recipes,candidate_errors --readers safetensors,preadv
 """
 
 from __future__ import annotations
@@ -280,12 +285,18 @@ def _call(question: str, ck, ref, fmt: str, path: str, device: str | None):
 
 
 def _child(conn, question: str, fmt: str, ck_path: str, ref_path: str | None, path: str,
-           calls: int, device: str | None) -> None:
+           calls: int, device: str | None, reader: str | None = None) -> None:
     """``calls`` calls of one question in this fresh process, each with a cold page cache."""
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    if reader:  # before workbench is imported: fast.py reads it once
+        os.environ["WORKBENCH_ANALYSIS_READER"] = reader
     import logging
 
+    from workbench.analysis import fast as fast_mod
     from workbench.checkpoint import open_checkpoint
+
+    if reader and fast_mod.READER != reader:
+        raise RuntimeError(f"reader {reader!r} asked for, {fast_mod.READER!r} in use")
 
     logging.basicConfig(level=logging.INFO, format="  [%(name)s] %(message)s")
     bc = _bench_checkpoint()
@@ -353,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=int, default=None,
                     help="experts per layer (default 128; fewer for quick CPU runs)")
     ap.add_argument("--cleanup", action="store_true", help="delete each format's files after it")
+    ap.add_argument("--readers", default=None,
+                    help="comma-separated stack readers to time side by side (safetensors, "
+                    "preadv); default: the library's default only")
     ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT")
                     else None, help="also write the table here (default: $OUT when set)")
     args = ap.parse_args(argv)
@@ -364,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [f for f in fmts if f not in FORMATS] + [q for q in qs if q not in QUESTIONS]
     if bad:
         ap.error(f"unknown formats/questions {bad}; choose from {FORMATS} and {QUESTIONS}")
+    readers = [r for r in (args.readers or "").split(",") if r] or [None]
+    if any(r not in (None, "safetensors", "preadv") for r in readers):
+        ap.error(f"unknown readers {readers}; choose from safetensors, preadv")
     bc = _bench_checkpoint()
     load0 = os.getloadavg()
     ref_gb = args.ref_gb if args.ref_gb is not None else min(args.size_gb, 4.0)
@@ -388,13 +405,15 @@ def main(argv: list[str] | None = None) -> int:
                          f"{read_s / secs:.2f} | {mem} | "
                          f"{'-' if not cuda else f'{cuda / 1e6:.0f}'} | {cmp} |")
         # the goal's view: question x format, the second call (warm process) against the read
-        summary = {(q, fmt): (read_s / secs, grow) for fmt, q, path, secs, _, _, read_s, grow, _, _
-                   in rows if path == "auto, call 2"}
+        summary = {(q + path[4:-8], fmt): (read_s / secs, grow) for fmt, q, path, secs, _, _,
+                   read_s, grow, _, _ in rows if path.startswith("auto") and
+                   path.endswith(", call 2")}
         if summary:
-            sf = [f for f in fmts if any((q, f) in summary for q in qs)]
+            sq = [q + ("" if r is None else f" [{r}]") for q in qs for r in readers]
+            sf = [f for f in fmts if any((q, f) in summary for q in sq)]
             lines += ["", "second call vs the plain read (host memory growth, MB):",
                       "| question | " + " | ".join(sf) + " |", "|---" * (len(sf) + 1) + "|"]
-            for q in qs:
+            for q in sq:
                 cells = [f"{summary[q, f][0]:.2f}x ({summary[q, f][1] / 1e6:.0f} MB)"
                          if (q, f) in summary else "-" for f in sf]
                 lines.append(f"| {q} | " + " | ".join(cells) + " |")
@@ -424,20 +443,29 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((fmt, "plain sequential read", "", read_s, None, size, read_s, None, None,
                          ""))
             for q in questions:
-                fast = _in_child(q, fmt, str(ck_path), str(ref_path) if ref_path else None,
-                                 "auto", 2, args.device)
-                cmp = ""
-                if args.reference:
-                    ref = _in_child(q, fmt, str(ck_path), str(ref_path) if ref_path else None,
-                                    "reference", 1, args.device)
-                    cmp = compare(ref["experts"], fast["experts"])
-                    cmp += "" if ref["scales"].equals(fast["scales"]) else " HIST DIFFER"
-                    r = ref["passes"][0]
-                    rows.append((fmt, q, "reference", r["seconds"], r["cpu_s"], size, read_s,
-                                 r["growth"], r["cuda_peak"], ""))
-                for i, p in enumerate(fast["passes"]):
-                    rows.append((fmt, q, f"auto, call {i + 1}", p["seconds"], p["cpu_s"], size,
-                                 read_s, p["growth"], p["cuda_peak"], cmp if i else ""))
+                first = None
+                for reader in readers:
+                    fast = _in_child(q, fmt, str(ck_path), str(ref_path) if ref_path else None,
+                                     "auto", 2, args.device, reader)
+                    cmp = ""
+                    if first is None:
+                        first = fast
+                    else:  # another reader: the same table?
+                        cmp = compare(first["experts"], fast["experts"]) + (
+                            "" if first["scales"].equals(fast["scales"]) else " HIST DIFFER") + \
+                            f" vs {readers[0]}"
+                    if args.reference and first is fast:
+                        ref = _in_child(q, fmt, str(ck_path), str(ref_path) if ref_path else None,
+                                        "reference", 1, args.device)
+                        cmp = compare(ref["experts"], fast["experts"])
+                        cmp += "" if ref["scales"].equals(fast["scales"]) else " HIST DIFFER"
+                        r = ref["passes"][0]
+                        rows.append((fmt, q, "reference", r["seconds"], r["cpu_s"], size, read_s,
+                                     r["growth"], r["cuda_peak"], ""))
+                    label = "auto" if reader is None else f"auto [{reader}]"
+                    for i, p in enumerate(fast["passes"]):
+                        rows.append((fmt, q, f"{label}, call {i + 1}", p["seconds"], p["cpu_s"],
+                                     size, read_s, p["growth"], p["cuda_peak"], cmp if i else ""))
             notes.append(f"{fmt}: {ck_path.name}{' + ' + ref_path.name if ref_path else ''}: "
                          f"{len(files)} shards, {size / GB:.2f} GB; eviction {method}")
         if args.cleanup:

@@ -5,7 +5,12 @@ projections of one checkpoint form stacks of at most ``batch_elements`` elements
 loads the stored parts of the next batches (codes and scales undecoded, or BF16 for weights
 stored in a codec ``workbench.formats`` does not model) and stages each stack on the device:
 on CUDA into a pinned host buffer and over an async copy on the reader's own stream, so disk
-reads, host-to-device copies and the math of the current batch overlap. The math (decode,
+reads, host-to-device copies and the math of the current batch overlap. Stored grids are read
+straight into their stack buffers (``ShardIndex.read_into``: one preadv per member and part,
+spread over a small pool of read threads, no intermediate tensor, no lock held over a copy);
+``WORKBENCH_ANALYSIS_READER=safetensors`` keeps the older path (``stored_grid`` per member,
+``torch.stack``, a copy into the pinned buffer) to measure against; the default ``auto`` takes
+preadv on CUDA only (see ``READER``). The math (decode,
 re-quantize, metrics, histograms) runs on the whole stack on the device (``batched.py``); only
 a few numbers per expert come back. At most ``ahead + 1`` batches are alive, which bounds host
 and device memory.
@@ -25,7 +30,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from workbench.checkpoint.grid import stored_grid
+from workbench.checkpoint.grid import grid_selection, library_global, stored_grid
+from workbench.checkpoint.index import selection
 from workbench.checkpoint.layouts import FMT_OF_CODEC
 from workbench.formats import QuantizedTensor, Recipe, dequantize
 
@@ -35,6 +41,17 @@ from .metrics import e8m0_exponents
 CPU_BATCH_ELEMENTS = 1 << 21  # 2M elements (4 MB BF16, ~1.3 Qwen3 experts): the codecs keep
 # ~10 fp32-sized temporaries alive, so this bounds memory; on CPU larger stacks buy nothing
 CUDA_BATCH_ELEMENTS = 1 << 28  # 256M elements: a whole layer's experts per launch on a GPU
+
+READER_ENV = "WORKBENCH_ANALYSIS_READER"
+READERS = ("auto", "preadv", "safetensors")
+# read once: the benchmark runs each reader in its own process to compare them. "auto": preadv
+# on CUDA (what issue #20 targets; not yet timed there), safetensors on CPU, where whole tables
+# measured 4-5x slower with preadv on a loaded 2-core host although the loads alone took ~10x
+# less CPU (cause not found; README / docs/analysis.md)
+READER = os.environ.get(READER_ENV, "auto")
+# threads reading the members of one batch: the pipeline's ``ahead`` batches alone keep too few
+# reads in flight to fill a fast disk or the page cache's copy bandwidth
+READ_THREADS = max(2, min(8, os.cpu_count() or 2))
 
 
 @dataclass(frozen=True)
@@ -89,22 +106,32 @@ def plan_batches(keys: list, sizes: list[int], limit: int) -> list[list[int]]:
 _LOCAL = threading.local()
 
 
-def _stage(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """``t`` on ``dev``. To CUDA: through a pinned buffer (the caching host allocator reuses it)
-    on this reader thread's stream, waited for here, so the compute stream never waits on I/O."""
-    if dev.type != "cuda":
-        return t.to(dev)
+def _reader_stream(dev: torch.device) -> torch.cuda.Stream:
     stream = getattr(_LOCAL, "stream", None)
     if stream is None:
         stream = _LOCAL.stream = torch.cuda.Stream(dev)
-    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    pinned.copy_(t)
-    with torch.cuda.stream(stream):
+    return stream
+
+
+def _h2d(pinned: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A pinned host tensor on CUDA ``dev``: an async copy on this reader thread's stream,
+    waited for here, so the compute stream never waits on I/O."""
+    with torch.cuda.stream(_reader_stream(dev)):
         out = pinned.to(dev, non_blocking=True)
-    stream.synchronize()
+    _reader_stream(dev).synchronize()
     # allocated on the reader's stream, used on the compute stream: tell the allocator
     out.record_stream(torch.cuda.default_stream(dev))
     return out
+
+
+def _stage(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """``t`` on ``dev``. To CUDA: through a pinned buffer (the caching host allocator reuses it)
+    on this reader thread's stream (``_h2d``)."""
+    if dev.type != "cuda":
+        return t.to(dev)
+    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    pinned.copy_(t)
+    return _h2d(pinned, dev)
 
 
 def _stack_stage(parts: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
@@ -112,15 +139,7 @@ def _stack_stage(parts: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
         return torch.stack(parts).to(dev)
     pinned = torch.empty((len(parts), *parts[0].shape), dtype=parts[0].dtype, pin_memory=True)
     torch.stack(parts, out=pinned)
-    stream = getattr(_LOCAL, "stream", None)
-    if stream is None:
-        stream = _LOCAL.stream = torch.cuda.Stream(dev)
-    with torch.cuda.stream(stream):
-        out = pinned.to(dev, non_blocking=True)
-    stream.synchronize()
-    # allocated on the reader's stream, used on the compute stream: tell the allocator
-    out.record_stream(torch.cuda.default_stream(dev))
-    return out
+    return _h2d(pinned, dev)
 
 
 def _stage_grid(q: QuantizedTensor, dev: torch.device) -> QuantizedTensor:
@@ -129,6 +148,77 @@ def _stage_grid(q: QuantizedTensor, dev: torch.device) -> QuantizedTensor:
 
     return replace(q, data=mv(q.data), scale=mv(q.scale), global_scale=mv(q.global_scale),
                    library_global=mv(q.library_global))
+
+
+_POOL_LOCK = threading.Lock()
+_POOL: dict[int, ThreadPoolExecutor] = {}
+
+
+def _read_pool() -> ThreadPoolExecutor:
+    """The process's read threads, shared by every reader of the pipeline (their tasks never
+    wait on another task, so sharing cannot deadlock). Keyed by process id: a forked child
+    inherits the executor but not its threads, and would wait forever on its futures."""
+    with _POOL_LOCK:
+        pool = _POOL.get(os.getpid())
+        if pool is None:
+            _POOL.clear()  # a parent's executor: its threads do not exist here
+            pool = _POOL[os.getpid()] = ThreadPoolExecutor(READ_THREADS,
+                                                           thread_name_prefix="workbench-read")
+        return pool
+
+
+def _read_grid_stack(ck, recs: list, dev: torch.device):
+    """``(stack, host grids)``: ``batched.stack_grids([stored_grid(ck, r) for r in recs])``
+    bit for bit, with each member's codes and scales read straight into its slice of one
+    ``[E, ...]`` buffer per part (pinned when ``dev`` is CUDA), the reads spread over the read
+    pool. The host grids are views into the buffers. None when the members' stored parts do
+    not stack (dtypes or selected shapes differ): the caller takes the per-member path."""
+    specs = [ck.spec(r.name) for r in recs]
+    s0 = specs[0]
+    if any((s.codec, s.profile, s.blocks4d) != (s0.codec, s0.profile, s0.blocks4d)
+           for s in specs):
+        return None
+    index = [grid_selection(ck, r) for r in recs]
+    bufs, jobs = {}, []
+    for role in ("data", "scale"):
+        names = [s.part(role) for s in specs]
+        entries = [ck.index.entry(n) for n in names]
+        got = {(e.dtype, selection(e.shape, ix)[0]) for e, ix in zip(entries, index)}
+        if len(got) != 1:
+            return None
+        ((dtype, shape),) = got
+        buf = torch.empty((len(recs), *shape), dtype=dtype, pin_memory=dev.type == "cuda")
+        bufs[role] = buf
+        jobs += [(n, ix, buf[i]) for i, (n, ix) in enumerate(zip(names, index))]
+    if len(jobs) > 2:
+        # list(): waits for all, re-raising the first error (CorruptShardError names the shard)
+        list(_read_pool().map(lambda j: ck.index.read_into(*j), jobs))
+    else:
+        for j in jobs:
+            ck.index.read_into(*j)
+    data, scale = bufs["data"], bufs["scale"]
+    # stored_grid's per-member steps, on the whole stack (views: still the pinned buffers)
+    if s0.blocks4d:  # gpt-oss [.., N, K/32, 16] -> [.., N, K/2]
+        data = data.reshape(*data.shape[:-2], -1)
+    if scale.dtype == torch.float8_e8m0fnu:
+        scale = scale.view(torch.uint8)
+    fmt = FMT_OF_CODEC[s0.codec]
+    globals_ = [library_global(ck, s) for s in specs] if fmt == "nvfp4" else \
+        [(None, None)] * len(recs)
+    shape = tuple(recs[0].shape)
+    host = [QuantizedTensor(fmt, s.profile, data[i], scale[i], gs, shape, lib)
+            for i, (s, (lib, gs)) in enumerate(zip(specs, globals_))]
+
+    def per_expert(xs):  # as batched.stack_grids: [E, 1, 1]
+        return None if xs[0] is None else torch.stack([x.reshape(()) for x in xs]).reshape(-1, 1, 1)
+
+    gs = per_expert([g for _, g in globals_])
+    lib = per_expert([g for g, _ in globals_])
+    if dev.type == "cuda":  # one async copy per buffer; the [E, 1, 1] globals are tiny
+        data, scale = _h2d(data, dev), _h2d(scale, dev)
+    stack = QuantizedTensor(fmt, s0.profile, data, scale, gs, (len(recs), *shape), lib)
+    return replace(stack, global_scale=None if gs is None else _stage(gs, dev),
+                   library_global=None if lib is None else _stage(lib, dev)), host
 
 
 @dataclass
@@ -147,7 +237,13 @@ class Loaded:
 
 def load_stack(ck, recs: list, dev: torch.device, *, want_grid_only: bool = False) -> Loaded:
     """Read one batch's records (one signature) and stage them on ``dev`` as a stack."""
+    if READER not in READERS:
+        raise ValueError(f"{READER_ENV}={READER!r}: must be one of {', '.join(READERS)}")
+    reader = READER if READER != "auto" else "preadv" if dev.type == "cuda" else "safetensors"
     if _grid_codec(ck, recs[0]):
+        got = _read_grid_stack(ck, recs, dev) if reader == "preadv" else None
+        if got is not None:
+            return Loaded(got[0], got[1], None)
         grids = [stored_grid(ck, r) for r in recs]
         host = batched.stack_grids(grids)
         return Loaded(_stage_grid(host, dev), grids, None)

@@ -6,6 +6,14 @@ file not truncated -- without touching tensor data. Reads go through
 `safetensors.safe_open(...).get_slice(name)[...]`, so a request touches only its bytes; every
 read is counted in `IndexStats` (tests and benchmarks check the byte count).
 
+`read_into` fills a caller's buffer (a slice of a pinned stack, say): a selection that is one
+contiguous byte range (int lead indices, then at most one step-1 slice, then whole trailing
+dims) is read with `os.preadv` from a descriptor opened once per shard. preadv releases the
+GIL and takes an explicit offset, so reader threads run in parallel on one descriptor; every
+read must return its full byte count (a shard truncated after indexing is a
+`CorruptShardError`, never garbage). Other selections (strided rows) copy `read`'s result.
+The index lock guards only the handle and descriptor caches and the stats, never a copy.
+
 Safety: shard names from `model.safetensors.index.json` must be plain relative file names
 (no absolute path, no `..`, no `.`), and every shard must be a regular file resolving inside the
 checkpoint root (`safe_io.checkpoint_root`: the folder, or for a Hugging Face hub cache snapshot
@@ -83,7 +91,8 @@ class TensorEntry(NamedTuple):
 
 @dataclass
 class IndexStats:
-    """Bytes requested through `ShardIndex.read` (the sizes of the slices asked for)."""
+    """Bytes requested through `ShardIndex.read` and `read_into` (the sizes of the slices
+    asked for; a `read_into` that falls back to `read` is counted once)."""
 
     bytes_read: int = 0
     requests: int = 0
@@ -103,6 +112,45 @@ def _read_exact(fd: int, n: int) -> bytes:
         chunks.append(b)
         n -= len(b)
     return b"".join(chunks)
+
+
+def selection(shape: tuple[int, ...], index: tuple) -> tuple[tuple[int, ...], int | None, int]:
+    """What `tensor[index]` selects, without reading: (result shape, first element when the
+    selection is one contiguous run of the row-major tensor else None, element count).
+
+    `index` holds ints and slices, one per leading dimension (as `ShardIndex.read`). It is
+    contiguous when it is ints (in range), then at most one step-1 slice, then slices covering
+    their whole dimensions: e.g. `(expert, rows)` of a stacked `[E, N, K]` tensor."""
+    if len(index) > len(shape):
+        raise IndexError(f"{len(index)} indices for a {len(shape)}-d tensor")
+    out: list[int] = []
+    first, contiguous = 0, True
+    opened = False  # a slice of several elements seen: every later dimension must be whole
+    for dim, ix in zip(shape, index):
+        if isinstance(ix, slice):
+            lo, hi, step = ix.indices(dim)
+            n = len(range(lo, hi, step))
+            out.append(n)
+            if (n > 1 and step != 1) or (opened and n != dim):
+                contiguous = False
+            opened = opened or n > 1
+            first = first * dim + (lo if n else 0)
+        elif isinstance(ix, int) and not isinstance(ix, bool):
+            i = ix + dim if ix < 0 else ix
+            if not 0 <= i < dim:
+                raise IndexError(f"index {ix} out of range for a dimension of {dim}")
+            if opened:  # an int after a slice: one row of each slab, not one run
+                contiguous = False
+            first = first * dim + i
+        else:
+            raise TypeError(f"index entries are ints and slices, got {ix!r:.40}")
+    rest = shape[len(index):]
+    count = 1
+    for d in (*out, *rest):
+        count *= d
+    for d in rest:
+        first *= d
+    return (*out, *rest), (first if contiguous else None), count
 
 
 def parse_header(path: Path, root: Path | None = None) -> dict[str, TensorEntry]:
@@ -216,7 +264,8 @@ class ShardIndex:
         self.stats = IndexStats()
         self._max_open = max_open
         self._handles: OrderedDict[Path, object] = OrderedDict()
-        self._lock = threading.Lock()
+        self._fds: OrderedDict[Path, _Fd] = OrderedDict()
+        self._lock = threading.Lock()  # the two caches and the stats; never held over a copy
         self.entries: dict[str, TensorEntry] = {}
         self.files: list[Path] = []
         self._build()
@@ -319,6 +368,7 @@ class ShardIndex:
 
     # -- reading ----------------------------------------------------------------------------
     def _handle(self, path: Path):
+        """The cached safetensors handle of a shard; the caller holds the lock."""
         from safetensors import safe_open
 
         h = self._handles.get(path)
@@ -335,6 +385,12 @@ class ShardIndex:
             self._handles.move_to_end(path)
         return h
 
+    def _count(self, name: str, n: int) -> None:
+        with self._lock:
+            self.stats.bytes_read += n
+            self.stats.requests += 1
+            self.stats.per_tensor[name] = self.stats.per_tensor.get(name, 0) + n
+
     def read(self, name: str, index: tuple = ()) -> torch.Tensor:
         """`tensor[index]` read through get_slice: only the selected bytes are touched.
 
@@ -343,19 +399,118 @@ class ShardIndex:
         e = self.entry(name)
         with self._lock:
             h = self._handle(e.file)
-            try:
-                # whole-tensor reads (scalars, global scales) need no slice
-                out = h.get_slice(e.key)[index] if index else h.get_tensor(e.key)
-            except Exception as err:
-                raise CorruptShardError(f"reading {index!r} failed: {err}", path=e.file,
-                                        tensor=name) from err
-            n = out.numel() * out.element_size()
-            self.stats.bytes_read += n
-            self.stats.requests += 1
-            self.stats.per_tensor[name] = self.stats.per_tensor.get(name, 0) + n
+        # the copy runs unlocked: safetensors' handle methods take `&self`, get_slice clones an
+        # Arc of the storage, the mmap'd storage is read-only (its mmap=False mode locks its
+        # own file mutex), and the reference held here keeps the handle alive when another
+        # thread evicts it from the cache
+        try:
+            # whole-tensor reads (scalars, global scales) need no slice
+            out = h.get_slice(e.key)[index] if index else h.get_tensor(e.key)
+        except Exception as err:
+            raise CorruptShardError(f"reading {index!r} failed: {err}", path=e.file,
+                                    tensor=name) from err
+        self._count(name, out.numel() * out.element_size())
         return out
+
+    def read_into(self, name: str, index: tuple, out: torch.Tensor) -> torch.Tensor:
+        """`out[...] = tensor[index]`, returning `out`: a contiguous CPU tensor of the entry's
+        dtype and exactly the selected shape (a slice of a pinned stack buffer, say).
+
+        A contiguous selection (see `selection`) is read straight from the file with preadv,
+        unlocked; any other is `read` and copied. A shard that ends early, or stopped being a
+        regular file, raises `CorruptShardError` naming the file and the tensor."""
+        e = self.entry(name)
+        try:
+            shape, first, count = selection(e.shape, index)
+        except (IndexError, TypeError) as err:
+            raise ValueError(f"{name}: bad index {index!r:.80} for shape {e.shape}: "
+                             f"{err}") from None
+        if out.dtype != e.dtype or tuple(out.shape) != shape or out.device.type != "cpu" \
+                or not out.is_contiguous():
+            raise ValueError(f"{name}: read_into needs a contiguous CPU {e.dtype} tensor of "
+                             f"shape {shape}, got {out.dtype} {tuple(out.shape)} on "
+                             f"{out.device}{'' if out.is_contiguous() else ' (strided)'}")
+        if first is None or not _PREADV:
+            out.copy_(self.read(name, index))
+            return out
+        nbytes = count * e.dtype.itemsize
+        if nbytes:
+            buf = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
+            fd = self._acquire_fd(e.file, name)
+            try:
+                _pread_full(fd.fd, buf, e.begin + first * e.dtype.itemsize, e, name, index)
+            finally:
+                self._release_fd(fd)
+        self._count(name, nbytes)
+        return out
+
+    def _acquire_fd(self, path: Path, name: str) -> _Fd:
+        """The shard's cached read-only descriptor, its user count raised. Opened through
+        `open_regular` (inside the root, fstat says regular) on first use; evicted ones are
+        closed only once no reader uses them, so a descriptor number is never reused under a
+        reader's feet."""
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                n, _ = open_regular(path, self.root, tensor=name)
+                fd = self._fds[path] = _Fd(n)
+                while len(self._fds) > self._max_open:
+                    _, old = self._fds.popitem(last=False)
+                    old.retire()
+            else:
+                self._fds.move_to_end(path)
+            fd.users += 1
+            return fd
+
+    def _release_fd(self, fd: _Fd) -> None:
+        with self._lock:
+            fd.users -= 1
+            if fd.retired:
+                fd.retire()
 
     def close(self) -> None:
         with self._lock:
             self._handles.clear()
+            while self._fds:
+                _, fd = self._fds.popitem()
+                fd.retire()
 
+
+_PREADV = hasattr(os, "preadv")  # not on Windows: read_into copies `read` there
+
+
+class _Fd:
+    """An open shard descriptor and how many readers use it (guarded by the index lock)."""
+
+    __slots__ = ("fd", "retired", "users")
+
+    def __init__(self, fd: int):
+        self.fd, self.users, self.retired = fd, 0, False
+
+    def retire(self) -> None:
+        """Out of the cache: close now if unused, else when the last reader releases it."""
+        self.retired = True
+        if self.users == 0 and self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _pread_full(fd: int, buf: memoryview, offset: int, e: TensorEntry, name: str,
+                index: tuple) -> None:
+    """Fill `buf` from `offset` of the shard: preadv may return fewer bytes than asked (Linux
+    caps one call near 2 GiB), so loop; 0 bytes means the file ended (truncated after the
+    index was built), an error, never a spin or a half-filled buffer."""
+    done, want = 0, len(buf)
+    while done < want:
+        try:
+            n = os.preadv(fd, [buf[done:]], offset + done)
+        except OSError as err:
+            raise CorruptShardError(f"reading {index!r:.80} (bytes [{offset}, {offset + want}))"
+                                    f" failed: {err.strerror or err}", path=e.file,
+                                    tensor=name) from err
+        if n <= 0:
+            raise CorruptShardError(f"file ended at byte {offset + done} while reading "
+                                    f"{index!r:.80} (bytes [{offset}, {offset + want})): "
+                                    "truncated after the index was built", path=e.file,
+                                    tensor=name)
+        done += n

@@ -1,0 +1,212 @@
+"""The stack loader of the batched paths (``fast._read_grid_stack``: members read straight into
+one buffer per part) against the per-member path it replaces, ``batched.stack_grids`` of
+``stored_grid``, bit for bit, on checkpoints of every grid layout: the held-in ones written by
+their own libraries (tests/checkpoint/oracles.py) and our writers (tests/checkpoint/writers.py),
+including E8M0-typed scales and gpt-oss's [.., K/32, 16] blocks with interleaved gate/up rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from workbench.analysis import batched, fast, stored_vs_recipes
+from workbench.checkpoint import index as index_mod
+from workbench.checkpoint import open_checkpoint
+from workbench.checkpoint.errors import CorruptShardError
+from workbench.checkpoint.grid import stored_grid
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoint"))
+
+CPU = torch.device("cpu")
+
+
+def _e8m0(write):
+    """The checkpoint of ``write`` with its uint8 E8M0 scales retyped F8_E8M0 (same bytes), as
+    newer exporters store them."""
+    def go(w, p):
+        p = write(w, p)
+        for f in Path(p).glob("*.safetensors"):
+            t = load_file(f)
+            save_file({k: v.view(torch.float8_e8m0fnu) if k.endswith("weight_scale") and
+                       v.dtype == torch.uint8 else v for k, v in t.items()}, f)
+        return p
+    return go
+
+
+OURS = {  # tests/checkpoint/writers.py: 2 shards each
+    "ours-ct-mxfp4": lambda w, p: w.write_ct(p, "mxfp4"),
+    "ours-ct-nvfp4": lambda w, p: w.write_ct(p, "nvfp4"),
+    "ours-ct-mxfp8": lambda w, p: w.write_ct(p, "mxfp8"),
+    "ours-gpt-oss": lambda w, p: w.write_gpt_oss(p),
+    "ours-modelopt-nvfp4": lambda w, p: w.write_modelopt(p, "NVFP4"),
+    "ours-modelopt-mxfp4-e8m0": _e8m0(lambda w, p: w.write_modelopt(p, "MXFP4")),
+    "ours-modelopt-mxfp8-e8m0": _e8m0(lambda w, p: w.write_modelopt(p, "MXFP8")),
+}
+ORACLES = {  # each written by its own library, as tests/analysis/test_fast_paths.py
+    "ct-mxfp4": ("compressed_tensors", lambda o, p: o.write_compressed_tensors(p, "MXFP4A16", seed=1)),
+    "ct-nvfp4": ("compressed_tensors", lambda o, p: o.write_compressed_tensors(p, "NVFP4A16", seed=2)),
+    "gpt-oss": ("transformers", lambda o, p: o.write_gpt_oss(p, seed=3)),
+    "modelopt-nvfp4": ("modelopt.torch.quantization.qtensor", lambda o, p: o.write_modelopt(p, "nvfp4", seed=4)),
+    "modelopt-mxfp8": ("modelopt.torch.quantization.qtensor", lambda o, p: o.write_modelopt(p, "mxfp8", seed=5)),
+    "modelopt-mxfp4": ("modelopt.torch.quantization.qtensor", lambda o, p: o.write_modelopt(p, "mxfp4", seed=6)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(OURS) + sorted(ORACLES))
+def ck(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    if request.param in OURS:
+        import writers
+
+        return open_checkpoint(OURS[request.param](writers, root / "ck"))
+    module, write = ORACLES[request.param]
+    pytest.importorskip(module, reason=f"{module} writes this checkpoint (pip install -e .[dev])")
+    import oracles
+
+    return open_checkpoint(write(oracles, root / "ck").path)
+
+
+def _batches(ck, limit: int) -> list[list]:
+    """The grid records in the batches the pipeline forms with ``limit`` elements a stack."""
+    recs = [r for r in ck.expert_records() if fast._grid_codec(ck, r)]
+    assert recs
+    sizes = [r.shape[0] * r.shape[1] for r in recs]
+    return [[recs[i] for i in b] for b in
+            fast.plan_batches([fast._signature(ck, r) for r in recs], sizes, limit)]
+
+
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _same_grid(a, b) -> bool:
+    return (a.fmt, a.profile, tuple(a.shape)) == (b.fmt, b.profile, tuple(b.shape)) and all(
+        _same(getattr(a, f), getattr(b, f))
+        for f in ("data", "scale", "global_scale", "library_global"))
+
+
+@pytest.mark.parametrize("limit", [1 << 30, 3 * 96 * 64, 1], ids=["whole", "threes", "ones"])
+def test_stack_equals_stack_grids_of_stored_grid(ck, limit):
+    """Same dtypes, shapes and bits as today's per-member path, for the stack and for each
+    member's host grid (the compiled CPU pass takes those)."""
+    for recs in _batches(ck, limit):
+        want = [stored_grid(ck, r) for r in recs]
+        stack, host = fast._read_grid_stack(ck, recs, CPU)
+        assert _same_grid(stack, batched.stack_grids(want)), [r.key for r in recs]
+        assert len(host) == len(recs)
+        for g, w, r in zip(host, want, recs):
+            assert _same_grid(g, w), r.key
+
+
+def test_reads_go_straight_to_the_file_and_count_the_same_bytes(ck, monkeypatch):
+    """Every contiguous member read is one preadv (gpt-oss's interleaved gate/up rows are the
+    strided exception: read and copied), and the index counts exactly the bytes the
+    per-member path counts."""
+    calls = []
+    real = index_mod._pread_full
+    monkeypatch.setattr(index_mod, "_pread_full", lambda *a: calls.append(a) or real(*a))
+    batches = _batches(ck, 1 << 30)
+    ck.index.stats.reset()
+    for recs in batches:
+        batched.stack_grids([stored_grid(ck, r) for r in recs])
+    old = (ck.index.stats.bytes_read, dict(ck.index.stats.per_tensor))
+    assert not calls
+    ck.index.stats.reset()
+    for recs in batches:
+        fast._read_grid_stack(ck, recs, CPU)
+    assert (ck.index.stats.bytes_read, ck.index.stats.per_tensor) == old
+    strided = sum(2 for recs in batches for r in recs if r.row_stride != 1)
+    members = sum(len(recs) for recs in batches)
+    assert len(calls) == 2 * members - strided > 0
+
+
+def test_load_stack_same_under_both_readers(ck, monkeypatch):
+    for recs in _batches(ck, 1 << 30):
+        monkeypatch.setattr(fast, "READER", "safetensors")
+        old = fast.load_stack(ck, recs, CPU)
+        monkeypatch.setattr(fast, "READER", "preadv")
+        new = fast.load_stack(ck, recs, CPU)
+        assert _same_grid(new.grid, old.grid)
+        assert all(_same_grid(a, b) for a, b in zip(new.host_grids, old.host_grids, strict=True))
+    monkeypatch.setattr(fast, "READER", "auto")  # safetensors on CPU
+    old_auto = fast.load_stack(ck, recs, CPU)
+    assert _same_grid(old_auto.grid, old.grid)
+    monkeypatch.setattr(fast, "READER", "mmap")
+    with pytest.raises(ValueError, match=fast.READER_ENV):
+        fast.load_stack(ck, recs, CPU)
+
+
+def test_truncated_shard_fails_the_table_naming_the_file(tmp_path, monkeypatch):
+    """A shard cut after the checkpoint was opened: the error from a read thread reaches the
+    caller as CorruptShardError naming the shard (no hang, no table of garbage)."""
+    import writers
+
+    monkeypatch.setattr(fast, "READER", "preadv")  # "auto" takes safetensors on CPU
+
+    ck = open_checkpoint(writers.write_ct(tmp_path / "ck", "mxfp4", shards=1))
+    shard = ck.index.files[0]
+    os.truncate(shard, min(e.begin for e in ck.index.entries.values()
+                           if e.name.endswith("weight_packed")) + 1)
+    with pytest.raises(CorruptShardError, match="truncated after the index was built") as ei:
+        stored_vs_recipes(ck, ["mxfp4:rceil"], progress=False, path="batched", device="cpu")
+    assert ei.value.path == str(shard)
+
+
+def _load_in_child(ck, recs, q) -> None:
+    stack, _ = fast._read_grid_stack(ck, recs, CPU)
+    q.put(bytes(stack.data.reshape(-1).numpy()))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_read_pool_works_in_a_forked_child(tmp_path):
+    """A child forked after the read pool started (a DataLoader worker, say) gets a pool of its
+    own: the inherited executor has no threads there and would never run a read."""
+    import multiprocessing as mp
+
+    import writers
+
+    ck = open_checkpoint(writers.write_ct(tmp_path / "ck", "mxfp4"))
+    recs = _batches(ck, 1 << 30)[0]
+    want = bytes(fast._read_grid_stack(ck, recs, CPU)[0].data.reshape(-1).numpy())
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_load_in_child, args=(ck, recs, q))
+    p.start()
+    try:
+        got = q.get(timeout=120)  # a guard against a hang, not a timing assertion
+    finally:
+        p.join(30)
+        if p.exitcode is None:
+            p.kill()
+    assert got == want and p.exitcode == 0
+
+
+@pytest.mark.gpu
+def test_cuda_stack_equals_stack_grids_of_stored_grid(ck):
+    """On CUDA: pinned buffers, one async copy per buffer on the reader's stream; the device
+    stack is the host path's bit for bit, and the host grids stay views of pinned memory."""
+    dev = torch.device("cuda")
+    for recs in _batches(ck, 1 << 30):
+        want = batched.stack_grids([stored_grid(ck, r) for r in recs])
+        stack, host = fast._read_grid_stack(ck, recs, dev)
+        assert stack.data.is_cuda and stack.scale.is_cuda
+        assert all(g.data.is_pinned() and g.scale.is_pinned() for g in host)
+        torch.cuda.synchronize()
+
+        def cpu(t):
+            return None if t is None else t.cpu()
+
+        got = dataclasses.replace(stack, data=cpu(stack.data), scale=cpu(stack.scale),
+                                  global_scale=cpu(stack.global_scale),
+                                  library_global=cpu(stack.library_global))
+        assert _same_grid(got, want), [r.key for r in recs]
