@@ -138,7 +138,7 @@ def test_load_stack_same_under_both_readers(ck, monkeypatch):
         new = fast.load_stack(ck, recs, CPU)
         assert _same_grid(new.grid, old.grid)
         assert all(_same_grid(a, b) for a, b in zip(new.host_grids, old.host_grids, strict=True))
-    monkeypatch.setattr(fast, "READER", "auto")  # safetensors on CPU
+    monkeypatch.setattr(fast, "READER", "auto")  # the older reader, for now
     old_auto = fast.load_stack(ck, recs, CPU)
     assert _same_grid(old_auto.grid, old.grid)
     monkeypatch.setattr(fast, "READER", "mmap")
@@ -151,7 +151,7 @@ def test_truncated_shard_fails_the_table_naming_the_file(tmp_path, monkeypatch):
     caller as CorruptShardError naming the shard (no hang, no table of garbage)."""
     import writers
 
-    monkeypatch.setattr(fast, "READER", "preadv")  # "auto" takes safetensors on CPU
+    monkeypatch.setattr(fast, "READER", "preadv")  # "auto" takes the older reader
 
     ck = open_checkpoint(writers.write_ct(tmp_path / "ck", "mxfp4", shards=1))
     shard = ck.index.files[0]

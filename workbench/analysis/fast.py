@@ -9,8 +9,8 @@ reads, host-to-device copies and the math of the current batch overlap. Stored g
 straight into their stack buffers (``ShardIndex.read_into``: one preadv per member and part,
 spread over a small pool of read threads, no intermediate tensor, no lock held over a copy);
 ``WORKBENCH_ANALYSIS_READER=safetensors`` keeps the older path (``stored_grid`` per member,
-``torch.stack``, a copy into the pinned buffer) to measure against; the default ``auto`` takes
-preadv on CUDA only (see ``READER``). The math (decode,
+``torch.stack``, a copy into the pinned buffer); the default ``auto`` takes that older path on
+every device until preadv is measured faster (see ``READER``). The math (decode,
 re-quantize, metrics, histograms) runs on the whole stack on the device (``batched.py``); only
 a few numbers per expert come back. At most ``ahead + 1`` batches are alive, which bounds host
 and device memory.
@@ -44,10 +44,11 @@ CUDA_BATCH_ELEMENTS = 1 << 28  # 256M elements: a whole layer's experts per laun
 
 READER_ENV = "WORKBENCH_ANALYSIS_READER"
 READERS = ("auto", "preadv", "safetensors")
-# read once: the benchmark runs each reader in its own process to compare them. "auto": preadv
-# on CUDA (what issue #20 targets; not yet timed there), safetensors on CPU, where whole tables
-# measured 4-5x slower with preadv on a loaded 2-core host although the loads alone took ~10x
-# less CPU (cause not found; README / docs/analysis.md)
+# read once: the benchmark runs each reader in its own process to compare them. "auto" is the
+# measured older reader everywhere: preadv is untimed on a GPU host (jobs/gpu/issue20.sh times
+# both in one run), and on CPU whole tables measured 4-5x slower with it on a loaded 2-core host
+# although the loads alone took ~10x less CPU (cause not found; docs/analysis.md). A default
+# changes when a measurement says so, not before.
 READER = os.environ.get(READER_ENV, "auto")
 # threads reading the members of one batch: the pipeline's ``ahead`` batches alone keep too few
 # reads in flight to fill a fast disk or the page cache's copy bandwidth
@@ -239,7 +240,7 @@ def load_stack(ck, recs: list, dev: torch.device, *, want_grid_only: bool = Fals
     """Read one batch's records (one signature) and stage them on ``dev`` as a stack."""
     if READER not in READERS:
         raise ValueError(f"{READER_ENV}={READER!r}: must be one of {', '.join(READERS)}")
-    reader = READER if READER != "auto" else "preadv" if dev.type == "cuda" else "safetensors"
+    reader = "safetensors" if READER == "auto" else READER
     if _grid_codec(ck, recs[0]):
         got = _read_grid_stack(ck, recs, dev) if reader == "preadv" else None
         if got is not None:
