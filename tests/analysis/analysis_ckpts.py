@@ -72,3 +72,16 @@ def write_mxfp4(path: Path, sd: dict[str, torch.Tensor], encode: str = "mxfp4:ev
         "config_groups": {"group_0": group}}}
     (path / "config.json").write_text(json.dumps(cfg))
     return path
+
+
+# The held-in checkpoints of every layout, each written by its own library
+# (tests/checkpoint/oracles.py): name -> (the library module that must import, writer(oracles, path)).
+LIBRARY_LAYOUTS = {
+    "ct-mxfp4": ("compressed_tensors", lambda o, p: o.write_compressed_tensors(p, "MXFP4A16", seed=1)),
+    "ct-nvfp4": ("compressed_tensors", lambda o, p: o.write_compressed_tensors(p, "NVFP4A16", seed=2)),
+    "gpt-oss": ("transformers", lambda o, p: o.write_gpt_oss(p, seed=3)),
+    "modelopt-nvfp4": ("modelopt.torch.quantization.qtensor", lambda o, p: o.write_modelopt(p, "nvfp4", seed=4)),
+    "modelopt-mxfp8": ("modelopt.torch.quantization.qtensor", lambda o, p: o.write_modelopt(p, "mxfp8", seed=5)),
+    "modelopt-mxfp4": ("modelopt.torch.quantization.qtensor", lambda o, p: o.write_modelopt(p, "mxfp4", seed=6)),
+    "fp8-block": ("torch", lambda o, p: o.write_fp8_block(p, seed=7)),
+}

@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from analysis_ckpts import LIBRARY_LAYOUTS as LAYOUTS
 from analysis_ckpts import moe_weights, write_dense, write_mxfp4
 
 from workbench.analysis import candidate_errors, paths, reference_errors, stored_vs_recipes
@@ -28,15 +29,6 @@ FROM_SUMS = ("rel_err", "sqnr_db", "cosine")
 RECIPES = ["mxfp4:rceil", "mxfp4:floor", "nvfp4:torchao", "nvfp4:compressed-tensors",
            "nvfp4:te", "mxfp8_e4m3:rceil", "mxfp8_e4m3:floor"]
 
-LAYOUTS = {
-    "ct-mxfp4": ("compressed_tensors", lambda o, p: o.write_compressed_tensors(p, "MXFP4A16", seed=1)),
-    "ct-nvfp4": ("compressed_tensors", lambda o, p: o.write_compressed_tensors(p, "NVFP4A16", seed=2)),
-    "gpt-oss": ("transformers", lambda o, p: o.write_gpt_oss(p, seed=3)),
-    "modelopt-nvfp4": ("modelopt.torch.quantization.qtensor", lambda o, p: o.write_modelopt(p, "nvfp4", seed=4)),
-    "modelopt-mxfp8": ("modelopt.torch.quantization.qtensor", lambda o, p: o.write_modelopt(p, "mxfp8", seed=5)),
-    "modelopt-mxfp4": ("modelopt.torch.quantization.qtensor", lambda o, p: o.write_modelopt(p, "mxfp4", seed=6)),
-    "fp8-block": ("torch", lambda o, p: o.write_fp8_block(p, seed=7)),
-}
 
 
 NO_GRID = {"fp8-block"}  # a codec workbench.formats does not model: question 3 has no rows

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from analysis_ckpts import LIBRARY_LAYOUTS
 from safetensors.torch import load_file, save_file
 
 from workbench.analysis import batched, fast, stored_vs_recipes
@@ -49,14 +50,8 @@ OURS = {  # tests/checkpoint/writers.py: 2 shards each
     "ours-modelopt-mxfp4-e8m0": _e8m0(lambda w, p: w.write_modelopt(p, "MXFP4")),
     "ours-modelopt-mxfp8-e8m0": _e8m0(lambda w, p: w.write_modelopt(p, "MXFP8")),
 }
-ORACLES = {  # each written by its own library, as tests/analysis/test_fast_paths.py
-    "ct-mxfp4": ("compressed_tensors", lambda o, p: o.write_compressed_tensors(p, "MXFP4A16", seed=1)),
-    "ct-nvfp4": ("compressed_tensors", lambda o, p: o.write_compressed_tensors(p, "NVFP4A16", seed=2)),
-    "gpt-oss": ("transformers", lambda o, p: o.write_gpt_oss(p, seed=3)),
-    "modelopt-nvfp4": ("modelopt.torch.quantization.qtensor", lambda o, p: o.write_modelopt(p, "nvfp4", seed=4)),
-    "modelopt-mxfp8": ("modelopt.torch.quantization.qtensor", lambda o, p: o.write_modelopt(p, "mxfp8", seed=5)),
-    "modelopt-mxfp4": ("modelopt.torch.quantization.qtensor", lambda o, p: o.write_modelopt(p, "mxfp4", seed=6)),
-}
+# each written by its own library (fp8-block has no stored grid to stack)
+ORACLES = {k: v for k, v in LIBRARY_LAYOUTS.items() if k != "fp8-block"}
 
 
 @pytest.fixture(scope="module", params=sorted(OURS) + sorted(ORACLES))
