@@ -133,7 +133,7 @@ def test_load_stack_same_under_both_readers(ck, monkeypatch):
         new = fast.load_stack(ck, recs, CPU)
         assert _same_grid(new.grid, old.grid)
         assert all(_same_grid(a, b) for a, b in zip(new.host_grids, old.host_grids, strict=True))
-    monkeypatch.setattr(fast, "READER", "auto")  # the older reader, for now
+    monkeypatch.setattr(fast, "READER", "auto")
     old_auto = fast.load_stack(ck, recs, CPU)
     assert _same_grid(old_auto.grid, old.grid)
     monkeypatch.setattr(fast, "READER", "mmap")
@@ -141,12 +141,21 @@ def test_load_stack_same_under_both_readers(ck, monkeypatch):
         fast.load_stack(ck, recs, CPU)
 
 
+@pytest.mark.parametrize("setting, device, reader", [
+    ("auto", "cuda", "preadv"), ("auto", "cpu", "safetensors"),  # what measured better where
+    ("safetensors", "cuda", "safetensors"), ("preadv", "cpu", "preadv"),  # a setting wins
+])
+def test_reader_choice_per_device(monkeypatch, setting, device, reader):
+    monkeypatch.setattr(fast, "READER", setting)
+    assert fast.reader_for(torch.device(device)) == reader
+
+
 def test_truncated_shard_fails_the_table_naming_the_file(tmp_path, monkeypatch):
     """A shard cut after the checkpoint was opened: the error from a read thread reaches the
     caller as CorruptShardError naming the shard (no hang, no table of garbage)."""
     import writers
 
-    monkeypatch.setattr(fast, "READER", "preadv")  # "auto" takes the older reader
+    monkeypatch.setattr(fast, "READER", "preadv")  # "auto" takes the older reader on CPU
 
     ck = open_checkpoint(writers.write_ct(tmp_path / "ck", "mxfp4", shards=1))
     shard = ck.index.files[0]

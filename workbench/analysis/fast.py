@@ -9,8 +9,8 @@ reads, host-to-device copies and the math of the current batch overlap. Stored g
 straight into their stack buffers (``ShardIndex.read_into``: one preadv per member and part,
 spread over a small pool of read threads, no intermediate tensor, no lock held over a copy);
 ``WORKBENCH_ANALYSIS_READER=safetensors`` keeps the older path (``stored_grid`` per member,
-``torch.stack``, a copy into the pinned buffer); the default ``auto`` takes that older path on
-every device until preadv is measured faster (see ``READER``). The math (decode,
+``torch.stack``, a copy into the pinned buffer); the default ``auto`` takes preadv on CUDA and
+the older path on CPU, as measured (see ``READER``). The math (decode,
 re-quantize, metrics, histograms) runs on the whole stack on the device (``batched.py``); only
 a few numbers per expert come back. At most ``ahead + 1`` batches are alive, which bounds host
 and device memory.
@@ -44,12 +44,23 @@ CUDA_BATCH_ELEMENTS = 1 << 28  # 256M elements: a whole layer's experts per laun
 
 READER_ENV = "WORKBENCH_ANALYSIS_READER"
 READERS = ("auto", "preadv", "safetensors")
-# read once: the benchmark runs each reader in its own process to compare them. "auto" is the
-# measured older reader everywhere: preadv is untimed on a GPU host (jobs/gpu/issue20.sh times
-# both in one run), and on CPU whole tables measured 4-5x slower with it on a loaded 2-core host
-# although the loads alone took ~10x less CPU (cause not found; docs/analysis.md). A default
-# changes when a measurement says so, not before.
+# read once: the benchmark runs each reader in its own process to compare them. "auto" is what
+# measured better per device. On the H200 host (jobs/gpu/issue20.sh, 15 GB MXFP4, one run) preadv
+# gave the same or shorter wall time (0.54-0.55x of the read vs 0.47-0.53x for stored grids vs
+# recipes), less than half the host CPU (26 vs 61 CPU-s) and 28 MB of host memory growth
+# instead of ~300 MB, with equal tables. On CPU whole tables measured 4-5x slower with it on a
+# loaded 2-core host although the loads alone took ~10x less CPU (cause not found;
+# docs/analysis.md), so CPU keeps the older reader.
 READER = os.environ.get(READER_ENV, "auto")
+
+
+def reader_for(dev: torch.device) -> str:
+    """The stack reader used on ``dev``: ``READER``, with "auto" resolved per device."""
+    if READER not in READERS:
+        raise ValueError(f"{READER_ENV}={READER!r}: must be one of {', '.join(READERS)}")
+    if READER != "auto":
+        return READER
+    return "preadv" if dev.type == "cuda" else "safetensors"
 # threads reading the members of one batch: the pipeline's ``ahead`` batches alone keep too few
 # reads in flight to fill a fast disk or the page cache's copy bandwidth
 READ_THREADS = max(2, min(8, os.cpu_count() or 2))
@@ -238,9 +249,7 @@ class Loaded:
 
 def load_stack(ck, recs: list, dev: torch.device, *, want_grid_only: bool = False) -> Loaded:
     """Read one batch's records (one signature) and stage them on ``dev`` as a stack."""
-    if READER not in READERS:
-        raise ValueError(f"{READER_ENV}={READER!r}: must be one of {', '.join(READERS)}")
-    reader = "safetensors" if READER == "auto" else READER
+    reader = reader_for(dev)
     if _grid_codec(ck, recs[0]):
         got = _read_grid_stack(ck, recs, dev) if reader == "preadv" else None
         if got is not None:
