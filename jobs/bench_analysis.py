@@ -48,6 +48,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+# the repository's workbench, for this process and its spawned children (which run this file
+# again as their main module), whether or not it is installed
+sys.path.insert(0, str(HERE.parent))
 GB = 1e9
 PROJS = ("gate", "up", "down")
 FORMATS = ("mxfp4", "nvfp4", "mxfp8_e4m3")
@@ -326,9 +329,15 @@ def _in_child(*args) -> dict:
     parent, child = ctx.Pipe(duplex=False)
     p = ctx.Process(target=_child, args=(child, *args))
     p.start()
-    out = parent.recv()
+    # the child's end closed here, so a child that dies before sending (an import error, a
+    # crash, the OOM killer) makes recv raise EOFError instead of waiting for ever
+    child.close()
+    try:
+        out = parent.recv()
+    except EOFError:
+        out = None
     p.join()
-    if p.exitcode:
+    if p.exitcode or out is None:
         raise RuntimeError(f"benchmark child {args[:2]} failed with exit code {p.exitcode}")
     return out
 
