@@ -221,11 +221,8 @@ def _read_grid_stack(ck, recs: list, dev: torch.device):
     host = [QuantizedTensor(fmt, s.profile, data[i], scale[i], gs, shape, lib)
             for i, (s, (lib, gs)) in enumerate(zip(specs, globals_))]
 
-    def per_expert(xs):  # as batched.stack_grids: [E, 1, 1]
-        return None if xs[0] is None else torch.stack([x.reshape(()) for x in xs]).reshape(-1, 1, 1)
-
-    gs = per_expert([g for _, g in globals_])
-    lib = per_expert([g for g, _ in globals_])
+    gs = batched.per_expert([g for _, g in globals_])  # as stack_grids stacks them
+    lib = batched.per_expert([g for g, _ in globals_])
     if dev.type == "cuda":  # one async copy per buffer; the [E, 1, 1] globals are tiny
         data, scale = _h2d(data, dev), _h2d(scale, dev)
     stack = QuantizedTensor(fmt, s0.profile, data, scale, gs, (len(recs), *shape), lib)
