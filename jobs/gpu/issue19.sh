@@ -17,11 +17,8 @@
 #   STAGES=moe,train bash jobs/gpu/issue19.sh    # a subset; EP1_STEPS / TRAIN_ARGS override sizes
 #   DRY_RUN=cpu bash jobs/gpu/issue19.sh         # every stage at CPU sizes (tiny preset, --cpu)
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-REPO="$(cd "$(dirname "$0")/../.." && pwd)"
-cd "$REPO"
-PY=${PYTHON:-python3}
-export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
+JOB_NAME=issue19
+source "$(dirname "$0")/_env.sh"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 WANDB_MODE=disabled
 STAGES=${STAGES:-tests,moe,train,ep2}
 MOE_ARGS=(--k3 --iters 30 --breakdown); TRAIN=(${TRAIN_ARGS:-}); EP1=(); TESTS_T=90
@@ -30,8 +27,6 @@ if [ "${DRY_RUN:-}" = cpu ]; then
   TRAIN=(--preset tiny --steps 4 --warmup 1 --batch 4 --seq 32 ${TRAIN_ARGS:-})
   EP1=(--cpu); TESTS_T=600; EP1_STEPS=${EP1_STEPS:-12}
 fi
-START=$(date +%s)
-stamp() { echo "[issue19 +$(( $(date +%s) - START ))s] $*"; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   uname -r
   "$PY" -c "import torch, triton; p = torch.cuda.get_device_properties(0); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'SMs', p.multi_processor_count)"

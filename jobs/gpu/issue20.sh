@@ -14,19 +14,16 @@
 #   bash jobs/gpu/issue20.sh
 #   SIZE_GB=6 bash jobs/gpu/issue20.sh        # smaller, if the 540 s of a call are short
 #   STAGES=bench bash jobs/gpu/issue20.sh     # the benchmark alone
+#   STAGES=profile bash jobs/gpu/issue20.sh   # where a pass's time goes (jobs/gpu/analysis_profile.py,
+#                                             # about 4 minutes at 15 GB)  -> $OUT/analysis_profile.md
 # Time, estimated from the README run of the old path (15.1 GB, read 1.57 GB/s, calls of
 # 17-30 s): ~15 s to write, ~10 s to read, 2 questions x 2 readers x 2 calls of <= 30 s: about
 # 3-5 minutes; the bench writes its table after each format, so a cut run still leaves it.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-REPO="$(cd "$(dirname "$0")/../.." && pwd)"
-cd "$REPO"
-PY=${PYTHON:-python3}
-export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
+JOB_NAME=issue20
+source "$(dirname "$0")/_env.sh"
 STAGES=${STAGES:-tests,bench}
 SIZE_GB=${SIZE_GB:-15}
-START=$(date +%s)
-stamp() { echo "[issue20 +$(( $(date +%s) - START ))s] $*"; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   nproc; df -h /tmp | tail -1
   "$PY" -c "import torch, safetensors; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'safetensors', safetensors.__version__)"
@@ -43,5 +40,10 @@ if [[ $STAGES == *bench* ]]; then
   timeout 440 "$PY" jobs/bench_analysis.py --size-gb "$SIZE_GB" --cleanup --formats mxfp4 \
     --questions stored_vs_recipes,candidate_errors --readers safetensors,preadv --out "$OUT" \
     2>&1 | tee "$OUT/bench_analysis.log"
+fi
+if [[ $STAGES == *profile* ]]; then
+  stamp "profile ($SIZE_GB GB)"
+  timeout 440 "$PY" jobs/gpu/analysis_profile.py --size-gb "$SIZE_GB" --out "$OUT" 2>&1 \
+    | grep -av $'\r' | tee "$OUT/analysis_profile.log" | tail -20
 fi
 stamp "done"
