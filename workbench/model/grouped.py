@@ -61,8 +61,11 @@ def grouped_mm(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor, *,
     if end is not None and not 0 <= end <= x_TI.shape[0]:
         raise ValueError(f"grouped_mm end={end} is outside the {x_TI.shape[0]} rows of x")
     if x_TI.is_cuda and torch.is_autocast_enabled("cuda"):
-        # fp32 masters under bf16 autocast: cast as autocast would for a matmul (after fake
-        # quantization, whose values bf16 holds exactly), so the grouped kernel can take them
+        # fp32 masters under bf16 autocast: cast as autocast would for a matmul, so the grouped
+        # kernel can take them. After fake quantization: MX values (element x power of two) are
+        # exact in bf16; NVFP4's are not (the fp32 per-tensor global scale gives them up to 24
+        # significant bits, and ~93% round here), the same rounding as a bf16 fake quantization
+        # (torchao's QAT alike) and at most half a bf16 ulp from the deployed fp32 dequant
         dt = torch.get_autocast_dtype("cuda")
         x_TI, w_EOI = x_TI.to(dt), w_EOI.to(dt)
     if x_TI.is_cuda and end is not None and fast.usable(x_TI, w_EOI, end):
