@@ -48,9 +48,10 @@ READERS = ("auto", "preadv", "safetensors")
 # measured better per device. On the H200 host (jobs/gpu/issue20.sh, 15 GB MXFP4, one run) preadv
 # gave the same or shorter wall time (0.54-0.55x of the read vs 0.47-0.53x for stored grids vs
 # recipes), less than half the host CPU (26 vs 61 CPU-s) and 28 MB of host memory growth
-# instead of ~300 MB, with equal tables. On CPU whole tables measured 4-5x slower with it on a
-# loaded 2-core host although the loads alone took ~10x less CPU (cause not found;
-# docs/analysis.md), so CPU keeps the older reader.
+# instead of ~300 MB, with equal tables. On the 2-core CPU host no measurement favours either:
+# whole tables ran 4-5x slower with preadv on a loaded host in one session (cause not found),
+# faster for MXFP4 and slower for the other formats in another (docs/analysis.md), so CPU keeps
+# the older reader.
 READER = os.environ.get(READER_ENV, "auto")
 
 
@@ -61,6 +62,8 @@ def reader_for(dev: torch.device) -> str:
     if READER != "auto":
         return READER
     return "preadv" if dev.type == "cuda" else "safetensors"
+
+
 # threads reading the members of one batch: the pipeline's ``ahead`` batches alone keep too few
 # reads in flight to fill a fast disk or the page cache's copy bandwidth
 READ_THREADS = max(2, min(8, os.cpu_count() or 2))
