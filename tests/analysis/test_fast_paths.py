@@ -107,10 +107,12 @@ COMPILED_LAYOUTS = {"ct-nvfp4", "modelopt-mxfp8"}
 def _count_compiled(monkeypatch, layout: str) -> dict[str, int]:
     """How many stacks the compiled passes served, per entry point (each still the real one);
     outside COMPILED_LAYOUTS the passes' graphs run uncompiled."""
-    from workbench.analysis import compiled
+    from workbench.analysis import compiled, fused_fp8, fused_nvfp4
 
     if layout not in COMPILED_LAYOUTS:
         monkeypatch.setattr(compiled, "_run", lambda key, build, args: build()(*args))
+        for closed_form in (fused_fp8, fused_nvfp4):  # fused.py's closed forms for FP8 / NVFP4
+            monkeypatch.setattr(closed_form, "_run", lambda key, build, args: build()(*args))
 
     # every (question, format) pair through the compiled graphs, also where "fused" would keep
     # the batched path because it measured faster (compiled.FASTER)
@@ -160,8 +162,8 @@ def test_fused_reference_errors_every_layout(layout, monkeypatch):
 
 @pytest.mark.inductor_cpp
 def test_fused_path_every_layout(layout, monkeypatch):
-    """path="fused": the compiled pass where it applies (MXFP4 grids, MXFP4 recipes), batched
-    elsewhere; the table is still the reference's."""
+    """path="fused": the closed forms where they apply (a grid under a recipe of its own
+    format), the compiled pass elsewhere; the table is still the reference's."""
     from workbench.analysis import fused
 
     name, ck, _ = layout
@@ -174,10 +176,10 @@ def test_fused_path_every_layout(layout, monkeypatch):
     ref = stored_vs_recipes(ck, recipes, progress=False, path="reference")
     assert_tables_equal(ref, stored_vs_recipes(ck, recipes, progress=False, path="fused"),
                         (name, "fused"), empty=name in NO_GRID)
-    # the closed-form pass served the MXFP4 recipe exactly where the stored grid is MXFP4, the
-    # compiled pass every other (grid, recipe) pair
-    stored_mx = _stored_fmt(ck) == "mxfp4"
-    assert set(served) == ({"mxfp4:rceil"} if stored_mx else set()), (name, served)
+    # a closed form served the recipe of the stored grid's own format, the compiled pass every
+    # other (grid, recipe) pair
+    fmt = _stored_fmt(ck)
+    assert set(served) == {r for r in recipes if r.split(":")[0] == fmt}, (name, served)
     assert (compiled["recipe_rows"] > 0) == (name not in NO_GRID), (name, compiled)
 
 

@@ -36,7 +36,6 @@ from workbench.checkpoint.layouts import FMT_OF_CODEC
 from workbench.formats import QuantizedTensor, Recipe, dequantize
 
 from . import batched, compiled
-from .metrics import e8m0_exponents
 
 CPU_BATCH_ELEMENTS = 1 << 21  # 2M elements (4 MB BF16, ~1.3 Qwen3 experts): the codecs keep
 # ~10 fp32-sized temporaries alive, so this bounds memory; on CPU larger stacks buy nothing
@@ -369,22 +368,17 @@ _MISMATCH = ("scale_mismatch_frac", "code_mismatch_frac")
 
 def _candidate_from_grid(loaded: Loaded, recipe: Recipe):
     """Question 1 on a stored grid is question 3 without its mismatch columns: the closed-form
-    MXFP4 pass (``fused.py``) where it applies, else the compiled pass (the same graphs as
-    ``stored_results``, so one compile serves both questions)."""
+    passes (``fused.py``: a grid re-quantized in its own format) where they apply, else the
+    compiled pass (the same graphs as ``stored_results``, so one compile serves both)."""
     from . import fused
 
     grids = loaded.host_grids
     if fused.static_reason(recipe, loaded.grid.data.device) is None and \
             len({g.profile for g in grids}) == 1 and \
-            all(fused.grid_reason(g) is None for g in grids):
+            all(fused.grid_reason(g, recipe) is None for g in grids):
         res = fused.stored_vs_recipe(grids, recipe)
-        if res is not None:
-            hs = []
-            for x in res:
-                present = x.byte_counts.nonzero().flatten()
-                hs.append(list(zip(e8m0_exponents(present).tolist(),
-                                   x.byte_counts[present].tolist())))
-            return [x.metrics for x in res], hs
+        if res is not None and all(x is not None for x in res):
+            return [x.metrics for x in res], [x.histogram() for x in res]
     return _compiled_recipe(None, loaded.grid, recipe, "candidate recipes")
 
 
@@ -482,10 +476,8 @@ def stored_results(ck, items, recipes: list[Recipe], dev, plan: Plan, progress: 
             if res is None:
                 picked = []
             for i, x in zip(picked, res or ()):
-                present = x.byte_counts.nonzero().flatten()
-                ms[i] = x.metrics
-                hs[i] = list(zip(e8m0_exponents(present).tolist(),
-                                 x.byte_counts[present].tolist()))
+                if x is not None:  # None: refused after reading (reason logged), see below
+                    ms[i], hs[i] = x.metrics, x.histogram()
             rest = [i for i in range(len(recs)) if ms[i] is None]
             if rest and use_compiled:
                 sub = stored if len(rest) == len(recs) else \
@@ -516,7 +508,7 @@ def _fused_members(grids: list[QuantizedTensor], recipe: Recipe) -> list[int]:
 
     ok = []
     for i, g in enumerate(grids):
-        why = fused.grid_reason(g)
+        why = fused.grid_reason(g, recipe)
         if why is None:
             ok.append(i)
         else:

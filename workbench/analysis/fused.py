@@ -22,9 +22,15 @@ The four float sums differ in summation order only: the reference takes fp32 BLA
 accumulators; on the benchmark's 1.5M-element experts the sum of squares is 5e-5 off the float64
 value and rel_err 1e-5), this path sums fp32 per 4096 elements and then in float64 (7e-8).
 
+The same idea for the other formats lives beside this module: ``fused_fp8.py`` (an MXFP8 grid
+under an MXFP8 recipe of its element format) and ``fused_nvfp4.py`` (an NVFP4 grid under an NVFP4
+recipe); ``static_reason``, ``grid_reason`` and ``stored_vs_recipe`` here dispatch to them, and
+their docstrings say why their numbers equal the reference's.
+
 Anything else takes the compiled passes of ``compiled.py`` (or the batched path, ``batched.py``),
-with the reason logged once: other formats, tie rules without a closed form here, bytes outside ``SAFE_BYTES``, padded K, CUDA
-tensors, or a failed compile (no C++ compiler...). Whether this pass is tried at all is
+with the reason logged once: a grid under a recipe of another format, tie rules without a closed
+form here, bytes outside ``SAFE_BYTES``, padded K, CUDA tensors, or a failed compile (no C++
+compiler...). Whether this pass is tried at all is
 ``paths.choose_path``'s decision ("fused", the CPU default for large jobs). Compiling costs
 seconds once per process and tie rule (logged); Inductor caches the C++ on disk across runs.
 """
@@ -42,7 +48,7 @@ import torch
 from workbench.formats import QuantizedTensor, Recipe, format_spec
 from workbench.formats.mx_profiles import PROFILES, cached_lut, scale_byte
 
-from .metrics import count_ratio, metrics_from_sums
+from .metrics import count_ratio, e8m0_exponents, metrics_from_sums
 
 _log = logging.getLogger(__name__)
 SAFE_BYTES = (77, 177)
@@ -158,6 +164,85 @@ def _run(ties: str, *args):
     return out
 
 
+def run_graph(key: tuple, build, args: list, *, bf16_casts: bool = False):
+    """``build()`` compiled once per ``key`` and called on ``args`` (the first dim of each
+    argument dynamic), for the closed forms of the other formats (``fused_fp8``,
+    ``fused_nvfp4``); a failed compile raises ``_Unavailable`` and turns every fused pass off
+    for the process. ``bf16_casts``: a ``.to(bfloat16)`` in the graph rounds, as in eager
+    (Inductor's ``emulate_precision_casts``)."""
+    fn = _COMPILED.get(key)
+    if fn is None:
+        # Inductor stores a pointwise result to memory (and re-reads it in one loop per
+        # reduction) once its expression exceeds ~50 ops or a few readers: these passes are
+        # one loop only when every element value stays in registers (10x faster, measured)
+        opts = {"realize_opcount_threshold": 1 << 20, "realize_reads_threshold": 1 << 20,
+                "realize_acc_reads_threshold": 1 << 20}
+        if bf16_casts:
+            opts["emulate_precision_casts"] = True
+        fn = _COMPILED[key] = torch.compile(build(), fullgraph=True, dynamic=False, options=opts)
+    for a in args:
+        if a.dim() and a.shape[0] > 1:
+            torch._dynamo.maybe_mark_dynamic(a, 0)  # one graph for any number of chunks
+    if key in COMPILE_SECONDS:
+        return fn(*args)
+    t0 = time.perf_counter()
+    try:
+        out = fn(*args)
+    except Exception as e:  # whatever stops compiling, the reference path still works
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        _BROKEN.append(f"{type(e).__name__}: {first}"[:300])
+        _log.warning("fused analysis unavailable, using the batched path: %s", _BROKEN[0])
+        raise _Unavailable(_BROKEN[0]) from e
+    COMPILE_SECONDS[key] = secs = time.perf_counter() - t0
+    _log.info("fused analysis pass %s ready in %.1f s (Inductor C++, cached on disk)", key, secs)
+    return out
+
+
+def pack_blocks(grids: list[QuantizedTensor], width: int, chunk: int, pad_byte: int, *,
+                transpose: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """The grids' element bytes ``[chunks, chunk, width]`` (``transpose``: ``[chunks, width,
+    chunk]``, blocks in the vector lanes) and scale bytes ``[chunks, chunk]`` in one reused
+    per-thread buffer, each grid in whole chunks, at least two chunks (dynamo specialises a dim
+    of size 1). Padding blocks are all-zero codes under ``pad_byte``. Returns (data, scale
+    bytes, blocks per grid, chunks per grid)."""
+    nblk = [g.scale.numel() for g in grids]
+    chunks = [-(-n // chunk) for n in nblk]
+    total = max(sum(chunks), 2)
+    key = (width, chunk, transpose)
+    bufs = getattr(_LOCAL, "blocks", None)
+    if bufs is None:
+        bufs = _LOCAL.blocks = {}
+    have = bufs.get(key)
+    if have is None or have[1].shape[0] < total:
+        shape = (total, width, chunk) if transpose else (total, chunk, width)
+        bufs[key] = have = (torch.empty(shape, dtype=torch.uint8),
+                            torch.empty(total, chunk, dtype=torch.uint8))
+    data, sbyte = have[0][:total], have[1][:total]
+    flat_s = sbyte.view(-1)
+    c0 = 0
+    for g, n, c in zip(grids, nblk, chunks):
+        src = g.data.view(torch.uint8).reshape(n, width)
+        a = c0 * chunk
+        flat_s[a:a + n] = g.scale.view(torch.uint8).reshape(n)
+        flat_s[a + n:a + c * chunk] = pad_byte
+        if transpose:
+            full = n // chunk
+            dst = data[c0:c0 + c]
+            dst[:full].copy_(src[:full * chunk].view(full, chunk, width).transpose(1, 2))
+            if full < c:
+                dst[full].zero_()
+                dst[full, :, :n - full * chunk].copy_(src[full * chunk:].T)
+        else:
+            flat = data.view(-1, width)
+            flat[a:a + n] = src
+            flat[a + n:a + c * chunk] = 0
+        c0 += c
+    data[c0:] = 0
+    sbyte[c0:] = pad_byte
+    return data, sbyte, nblk, chunks
+
+
 def static_reason(recipe: Recipe, device: torch.device) -> str | None:
     """Why the fused pass does not serve ``recipe`` on ``device`` (None: it does). Whether the
     fused path is taken at all is ``paths.choose_path``'s decision."""
@@ -165,8 +250,14 @@ def static_reason(recipe: Recipe, device: torch.device) -> str | None:
         return f"compiling failed earlier ({_BROKEN[0]})"
     if device.type != "cpu":
         return f"{device.type} tensors (the batched path runs there)"
+    if recipe.fmt.startswith("mxfp8"):
+        return None  # every MXFP8 rule: fused_fp8's closed form (no tie or sign rule matters)
+    if recipe.fmt == "nvfp4":
+        from . import fused_nvfp4
+
+        return fused_nvfp4.static_reason(recipe)
     if recipe.fmt != "mxfp4":
-        return f"recipe format {recipe.fmt} (fused path: mxfp4)"
+        return f"recipe format {recipe.fmt} (fused path: mxfp4, mxfp8, nvfp4)"
     prof = PROFILES[recipe.profile]
     if prof.ties not in TIES:
         return f"tie rule {prof.ties!r}"
@@ -176,8 +267,19 @@ def static_reason(recipe: Recipe, device: torch.device) -> str | None:
     return None
 
 
-def grid_reason(stored: QuantizedTensor) -> str | None:
-    """Why one stored grid needs the reference (None: fused)."""
+def grid_reason(stored: QuantizedTensor, recipe: Recipe | None = None) -> str | None:
+    """Why one stored grid needs the reference (None: fused) under ``recipe`` (None: a recipe
+    of the grid's own format). The closed forms re-quantize a grid in its own format only."""
+    if recipe is not None and recipe.fmt != stored.fmt:
+        return f"{stored.fmt} grid under a {recipe.fmt} recipe"
+    if stored.fmt.startswith("mxfp8"):
+        from . import fused_fp8
+
+        return fused_fp8.grid_reason(stored)
+    if stored.fmt == "nvfp4":
+        from . import fused_nvfp4
+
+        return fused_nvfp4.grid_reason(stored)
     if stored.fmt != "mxfp4":
         return f"stored format {stored.fmt}"
     if stored.shape[-1] != stored.padded_k:
@@ -201,7 +303,15 @@ def grid_reason(stored: QuantizedTensor) -> str | None:
 @dataclass(frozen=True)
 class FusedResult:
     metrics: dict[str, float]  # error_metrics + grid_mismatch keys, as the reference
-    byte_counts: torch.Tensor  # [256] int64: blocks per recipe E8M0 byte
+    byte_counts: torch.Tensor | None  # [256] int64: blocks per recipe E8M0 byte (MX formats)
+    exponents: list[tuple[int, int]] | None = None  # NVFP4: (scale exponent, blocks) ascending
+
+    def histogram(self) -> list[tuple[int, int]]:
+        """(exponent, blocks) ascending, as ``metrics.scale_exponents`` + ``torch.unique``."""
+        if self.exponents is not None:
+            return self.exponents
+        present = self.byte_counts.nonzero().flatten()
+        return list(zip(e8m0_exponents(present).tolist(), self.byte_counts[present].tolist()))
 
 
 _LOCAL = threading.local()
@@ -223,9 +333,20 @@ def _ratios(counts: list[float], n: list[int]) -> list[float]:
     return [count_ratio(round(c), m) for c, m in zip(counts, n)]
 
 
-def stored_vs_recipe(grids: list[QuantizedTensor], recipe: Recipe) -> list[FusedResult] | None:
+def stored_vs_recipe(grids: list[QuantizedTensor], recipe: Recipe
+                     ) -> list[FusedResult | None] | None:
     """The reference's metrics for each stored grid (``grid_reason`` None, one stored profile)
-    re-quantized with ``recipe``, in one compiled call; None when compiling fails (logged)."""
+    re-quantized with ``recipe``, in one compiled call; None when compiling fails (logged). An
+    entry is None where the closed form refused that grid after reading it (NVFP4: a global
+    scale out of its range; the reason logged): the caller takes another path for it."""
+    if recipe.fmt.startswith("mxfp8"):
+        from . import fused_fp8
+
+        return fused_fp8.stored_vs_recipe(grids, recipe)
+    if recipe.fmt == "nvfp4":
+        from . import fused_nvfp4
+
+        return fused_nvfp4.stored_vs_recipe(grids, recipe)
     if any(g.profile != grids[0].profile for g in grids):
         raise ValueError("one call, one stored profile: the decode table is per profile")
     prof, nw = PROFILES[recipe.profile], len(grids)

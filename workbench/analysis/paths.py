@@ -4,8 +4,9 @@
 - ``batched``: ``fast.py`` + ``batched.py``: same-shape weights stacked ``[E, N, K]`` and run
   through the same codecs and the same metric predicates, many experts per op; on the device the
   tables are computed on (CUDA when present: reads into pinned buffers, async copies).
-- ``fused``: ``batched``, plus the compiled CPU passes where they apply: ``fused.py`` (MXFP4
-  stored grid under an MXFP4 recipe) and ``compiled.py`` (every other format and question).
+- ``fused``: ``batched``, plus the compiled CPU passes where they apply: the closed forms of
+  ``fused.py`` (a stored MXFP4, MXFP8 or NVFP4 grid under a recipe of its own format) and
+  ``compiled.py`` (every other format pair and question).
 
 ``path="auto"`` (the default of every table function, hence of the notebook and
 ``workbench inspect``) takes ``batched`` on CUDA, and on CPU ``fused`` for jobs of at least
