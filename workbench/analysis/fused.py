@@ -48,6 +48,10 @@ import torch
 from workbench.formats import QuantizedTensor, Recipe, format_spec
 from workbench.formats.mx_profiles import PROFILES, cached_lut, scale_byte
 
+# fused_fp8 / fused_nvfp4 use this module's helpers (run_graph, pack_blocks, round_e2m1) and
+# this module dispatches to them: a cycle, which works at module top because neither side
+# touches the other's names until a call
+from . import fused_fp8, fused_nvfp4
 from .metrics import count_ratio, e8m0_exponents, metrics_from_sums
 
 _log = logging.getLogger(__name__)
@@ -253,8 +257,6 @@ def static_reason(recipe: Recipe, device: torch.device) -> str | None:
     if recipe.fmt.startswith("mxfp8"):
         return None  # every MXFP8 rule: fused_fp8's closed form (no tie or sign rule matters)
     if recipe.fmt == "nvfp4":
-        from . import fused_nvfp4
-
         return fused_nvfp4.static_reason(recipe)
     if recipe.fmt != "mxfp4":
         return f"recipe format {recipe.fmt} (fused path: mxfp4, mxfp8, nvfp4)"
@@ -273,12 +275,8 @@ def grid_reason(stored: QuantizedTensor, recipe: Recipe | None = None) -> str | 
     if recipe is not None and recipe.fmt != stored.fmt:
         return f"{stored.fmt} grid under a {recipe.fmt} recipe"
     if stored.fmt.startswith("mxfp8"):
-        from . import fused_fp8
-
         return fused_fp8.grid_reason(stored)
     if stored.fmt == "nvfp4":
-        from . import fused_nvfp4
-
         return fused_nvfp4.grid_reason(stored)
     if stored.fmt != "mxfp4":
         return f"stored format {stored.fmt}"
@@ -340,12 +338,8 @@ def stored_vs_recipe(grids: list[QuantizedTensor], recipe: Recipe
     entry is None where the closed form refused that grid after reading it (NVFP4: a global
     scale out of its range; the reason logged): the caller takes another path for it."""
     if recipe.fmt.startswith("mxfp8"):
-        from . import fused_fp8
-
         return fused_fp8.stored_vs_recipe(grids, recipe)
     if recipe.fmt == "nvfp4":
-        from . import fused_nvfp4
-
         return fused_nvfp4.stored_vs_recipe(grids, recipe)
     if any(g.profile != grids[0].profile for g in grids):
         raise ValueError("one call, one stored profile: the decode table is per profile")
