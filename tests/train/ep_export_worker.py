@@ -39,3 +39,4 @@ with open(f"{report}.{info.rank}.json", "w") as f:
                                  if isinstance(m, GroupedExperts)]}, f)
 dist.barrier()
 distributed.teardown(info)
+distributed.exit_process(0)  # as the trainer's entry points end (see its docstring)

@@ -29,3 +29,4 @@ with open(f"{report}.{info.rank}.json", "w") as f:
     json.dump({"logged": rec["peak_mem_gib"], "own_before": own_before,
                "own_after": own_after}, f)
 distributed.teardown(info)
+distributed.exit_process(0)  # as the trainer's entry points end (see its docstring)

@@ -92,3 +92,4 @@ if __name__ == "__main__":
         cli(args)
     else:
         _api(Path(args[0]))
+    distributed.exit_process(0)  # as the trainer's entry points end (see its docstring)
