@@ -15,9 +15,9 @@ page cache (pages evicted):
   a fresh process: the first call (imports, any compile included) and a second call;
 - with ``--reference``, the reference path once, and the fast table compared with it (counts and
   histograms equal? largest relative difference of the float-sum metrics);
-- with ``--readers safetensors,preadv``, each question's default path once per stack reader
-  (``WORKBENCH_ANALYSIS_READER``, set in each fresh process), so the old reader is the new one's
-  baseline in the same run, and the tables of the two are compared.
+- with ``--readers preadv,window`` (or any of safetensors, preadv, window), each question's
+  default path once per stack reader (``WORKBENCH_ANALYSIS_READER``, set in each fresh process),
+  so the old reader is the new one's baseline in the same run, and the tables are compared.
 
 Throughput is GB/s of the files the question reads; ``vs read`` is the read time over the pass
 time; memory is peak anonymous RSS growth during the pass (and peak CUDA memory), also as a
@@ -26,7 +26,7 @@ multiple of one expert projection's BF16 size.
     python jobs/bench_analysis.py --size-gb 0.1 --reference     # CPU, a minute or two
     python jobs/bench_analysis.py --size-gb 15 --cleanup         # GPU host (see docs/analysis.md)
     python jobs/bench_analysis.py --size-gb 15 --cleanup --formats mxfp4 \
-        --questions stored_vs_recipes,candidate_errors --readers safetensors,preadv
+        --questions stored_vs_recipes,candidate_errors --readers preadv,window
 """
 
 from __future__ import annotations
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cleanup", action="store_true", help="delete each format's files after it")
     ap.add_argument("--readers", default=None,
                     help="comma-separated stack readers to time side by side (safetensors, "
-                    "preadv); default: the library's default only")
+                    "preadv, window); default: the library's default only")
     ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT")
                     else None, help="also write the table here (default: $OUT when set)")
     args = ap.parse_args(argv)
@@ -388,8 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"unknown formats/questions {bad}; choose from {FORMATS} and {QUESTIONS}")
     readers = [r for r in (args.readers or "").split(",") if r] or [None]
-    if any(r not in (None, "safetensors", "preadv") for r in readers):
-        ap.error(f"unknown readers {readers}; choose from safetensors, preadv")
+    if any(r not in (None, "safetensors", "preadv", "window") for r in readers):
+        ap.error(f"unknown readers {readers}; choose from safetensors, preadv, window")
     bc = _bench_checkpoint()
     load0 = os.getloadavg()
     ref_gb = args.ref_gb if args.ref_gb is not None else min(args.size_gb, 4.0)

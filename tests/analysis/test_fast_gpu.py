@@ -11,24 +11,32 @@ from __future__ import annotations
 import pytest
 from test_fast_paths import LAYOUTS, NO_GRID, RECIPES, assert_tables_equal, layout  # noqa: F401
 
-from workbench.analysis import candidate_errors, reference_errors, stored_vs_recipes
+from workbench.analysis import candidate_errors, fast, reference_errors, stored_vs_recipes
 
 pytestmark = pytest.mark.gpu
 assert LAYOUTS  # the fixture `layout` is parametrised over these
 
 
-def test_cuda_stored_vs_recipes(layout):  # noqa: F811
+# the stack readers on CUDA: "auto" (the window reader there) and preadv per member
+READERS = ("auto", "preadv")
+
+
+def test_cuda_stored_vs_recipes(layout, monkeypatch):  # noqa: F811
     name, ck, _ = layout
     ref = stored_vs_recipes(ck, RECIPES, progress=False, path="reference", device="cpu")
-    got = stored_vs_recipes(ck, RECIPES, progress=False, device="cuda")  # "auto" -> batched
-    assert_tables_equal(ref, got, (name, "cuda"), empty=name in NO_GRID)
+    for reader in READERS:
+        monkeypatch.setattr(fast, "READER", reader)
+        got = stored_vs_recipes(ck, RECIPES, progress=False, device="cuda")  # auto: batched
+        assert_tables_equal(ref, got, (name, "cuda", reader), empty=name in NO_GRID)
 
 
-def test_cuda_candidate_errors(layout):  # noqa: F811
+def test_cuda_candidate_errors(layout, monkeypatch):  # noqa: F811
     name, ck, _ = layout
     ref = candidate_errors(ck, RECIPES, progress=False, path="reference", device="cpu")
-    got = candidate_errors(ck, RECIPES, progress=False, device="cuda")
-    assert_tables_equal(ref, got, (name, "cuda"))
+    for reader in READERS:
+        monkeypatch.setattr(fast, "READER", reader)
+        got = candidate_errors(ck, RECIPES, progress=False, device="cuda")
+        assert_tables_equal(ref, got, (name, "cuda", reader))
 
 
 def test_cuda_reference_errors(layout):  # noqa: F811

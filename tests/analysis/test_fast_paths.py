@@ -71,18 +71,31 @@ def _small_ckpts(tmp_path):
     return mx, open_checkpoint(write_dense(tmp_path / "bf16", sd))
 
 
-def test_batched_stored_vs_recipes_every_layout(layout):
+# the stack readers the batched path runs with on CPU: "auto" (the per-member path there) and
+# the window reader (CUDA's default), forced
+READERS = ("auto", "window")
+
+
+def test_batched_stored_vs_recipes_every_layout(layout, monkeypatch):
+    from workbench.analysis import fast
+
     name, ck, _ = layout
     ref = stored_vs_recipes(ck, RECIPES, progress=False, path="reference")
-    assert_tables_equal(ref, stored_vs_recipes(ck, RECIPES, progress=False, path="batched"),
-                        (name, "batched"), empty=name in NO_GRID)
+    for reader in READERS:
+        monkeypatch.setattr(fast, "READER", reader)
+        assert_tables_equal(ref, stored_vs_recipes(ck, RECIPES, progress=False, path="batched"),
+                            (name, "batched", reader), empty=name in NO_GRID)
 
 
-def test_batched_candidate_errors_every_layout(layout):
+def test_batched_candidate_errors_every_layout(layout, monkeypatch):
+    from workbench.analysis import fast
+
     name, ck, _ = layout
     ref = candidate_errors(ck, RECIPES, progress=False, path="reference")
-    assert_tables_equal(ref, candidate_errors(ck, RECIPES, progress=False, path="batched"),
-                        (name, "batched"))
+    for reader in READERS:
+        monkeypatch.setattr(fast, "READER", reader)
+        assert_tables_equal(ref, candidate_errors(ck, RECIPES, progress=False, path="batched"),
+                            (name, "batched", reader))
 
 
 def test_batched_reference_errors_every_layout(layout):
@@ -183,7 +196,7 @@ def test_fused_path_every_layout(layout, monkeypatch):
     assert (compiled["recipe_rows"] > 0) == (name not in NO_GRID), (name, compiled)
 
 
-def test_small_checkpoints_all_questions_and_small_batches(tmp_path):
+def test_small_checkpoints_all_questions_and_small_batches(tmp_path, monkeypatch):
     """Batches of one to three weights (the batch limit cuts same-shape groups), dense layers,
     shared experts, and a dense (BF16) checkpoint under candidate recipes."""
     from workbench.analysis import fast
@@ -191,13 +204,16 @@ def test_small_checkpoints_all_questions_and_small_batches(tmp_path):
     mx, bf16 = _small_ckpts(tmp_path)
     plan = fast.Plan.default
     try:
-        fast.Plan.default = classmethod(lambda cls, dev, w=None: cls(3 * 64 * 96, 2, 2))
+        # windows of 8 KB (a member is 3.2 KB): two each, cut mid-layer (the window reader)
+        fast.Plan.default = classmethod(lambda cls, dev, w=None: cls(3 * 64 * 96, 2, 2, 8192))
         for q, args in (("stored", (mx, RECIPES)), ("candidate-packed", (mx, RECIPES)),
                         ("candidate-dense", (bf16, RECIPES)), ("reference", (mx, bf16))):
             fn = {"stored": stored_vs_recipes, "reference": reference_errors}.get(
                 q, candidate_errors)
             ref = fn(*args, progress=False, path="reference")
-            assert_tables_equal(ref, fn(*args, progress=False, path="batched"), q)
+            for reader in READERS:
+                monkeypatch.setattr(fast, "READER", reader)
+                assert_tables_equal(ref, fn(*args, progress=False, path="batched"), (q, reader))
     finally:
         fast.Plan.default = plan
 

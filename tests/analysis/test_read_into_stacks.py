@@ -141,21 +141,76 @@ def test_load_stack_same_under_both_readers(ck, monkeypatch):
         fast.load_stack(ck, recs, CPU)
 
 
+def _windows(ck, window_bytes: int, limit: int = 1 << 30):
+    recs = [r for r in ck.expert_records() if fast._grid_codec(ck, r)]
+    plan = fast.Plan(limit, 1, 2, window_bytes)
+    return (recs, *fast.window_plan(ck, recs, lambda r: fast._signature(ck, r), plan))
+
+
+@pytest.mark.parametrize("window_bytes", [1 << 30, 3000, 1], ids=["one", "small", "none"])
+def test_window_stacks_equal_stack_grids_of_stored_grid(ck, window_bytes):
+    """The window reader's stacks (members cut out of one span read front to back) are the
+    per-member path's bit for bit; every record is in exactly one window or left to the
+    per-batch readers, and only for a reason: strided rows (gpt-oss's interleaved gate/up),
+    codes and scales in two shards, or a record larger than the window."""
+    recs, windows, rest, parts = _windows(ck, window_bytes)
+    placed = sorted([i for w in windows for i in w.items] + rest)
+    assert placed == list(range(len(recs)))
+    for w in windows:
+        assert sorted(i for b in w.batches for i in b) == sorted(w.items)
+        assert w.end - w.begin <= window_bytes and w.begin % fast.WINDOW_ALIGN == 0
+        buf, glob = fast._load_window(ck, w, recs, parts, CPU)
+        for b in w.batches:
+            got = fast._window_stack(ck, w, buf, glob, b, [recs[i] for i in b], parts, CPU)
+            want = [stored_grid(ck, recs[i]) for i in b]
+            assert _same_grid(got.grid, batched.stack_grids(want)), [recs[i].key for i in b]
+            assert all(_same_grid(g, x) for g, x in zip(got.host_grids, want, strict=True))
+    for i in rest:
+        r, spec = recs[i], ck.spec(recs[i].name)
+        got = fast._window_parts(ck, r)
+        if got is None:
+            files = {ck.index.entry(spec.part(k)).file for k in ("data", "scale")}
+            assert r.row_stride != 1 or len(files) == 2, r.key
+        else:
+            lo = min(p.begin for p in got[1])
+            hi = max(p.begin + p.nbytes for p in got[1])
+            assert hi - (lo - lo % fast.WINDOW_ALIGN) > window_bytes, r.key
+    if window_bytes == 1 << 30 and ck.index.files and len(ck.index.files) == 1:
+        assert windows  # one shard: every contiguous record is windowed
+
+
+def test_window_reads_count_the_asked_bytes_and_the_gaps(ck):
+    """A window counts each member part as read_into counts it; what lies between is counted
+    as gap bytes, so asked + gaps is exactly the span read."""
+    recs, windows, _, parts = _windows(ck, 1 << 30)
+    ck.index.stats.reset()
+    for w in windows:
+        fast._load_window(ck, w, recs, parts, CPU)
+    asked = sum(p.nbytes for w in windows for i in w.items for p in parts[i])
+    nvfp4_globals = sum(ck.index.stats.per_tensor.get(ck.spec(recs[i].name).part(
+        "global_scale"), 0) for w in windows for i in w.items
+        if fast.FMT_OF_CODEC[ck.spec(recs[i].name).codec] == "nvfp4")
+    assert ck.index.stats.bytes_read - nvfp4_globals == asked
+    assert asked + ck.index.stats.gap_bytes == sum(w.end - w.begin for w in windows)
+
+
 @pytest.mark.parametrize("setting, device, reader", [
-    ("auto", "cuda", "preadv"), ("auto", "cpu", "safetensors"),  # what measured better where
+    ("auto", "cuda", "window"), ("auto", "cpu", "safetensors"),  # what measured better where
     ("safetensors", "cuda", "safetensors"), ("preadv", "cpu", "preadv"),  # a setting wins
+    ("preadv", "cuda", "preadv"), ("window", "cpu", "window"),
 ])
 def test_reader_choice_per_device(monkeypatch, setting, device, reader):
     monkeypatch.setattr(fast, "READER", setting)
     assert fast.reader_for(torch.device(device)) == reader
 
 
-def test_truncated_shard_fails_the_table_naming_the_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("reader", ["preadv", "window"])
+def test_truncated_shard_fails_the_table_naming_the_file(tmp_path, monkeypatch, reader):
     """A shard cut after the checkpoint was opened: the error from a read thread reaches the
     caller as CorruptShardError naming the shard (no hang, no table of garbage)."""
     import writers
 
-    monkeypatch.setattr(fast, "READER", "preadv")  # "auto" takes the older reader on CPU
+    monkeypatch.setattr(fast, "READER", reader)  # "auto" takes the older reader on CPU
 
     ck = open_checkpoint(writers.write_ct(tmp_path / "ck", "mxfp4", shards=1))
     shard = ck.index.files[0]
@@ -214,3 +269,53 @@ def test_cuda_stack_equals_stack_grids_of_stored_grid(ck):
                                   global_scale=cpu(stack.global_scale),
                                   library_global=cpu(stack.library_global))
         assert _same_grid(got, want), [r.key for r in recs]
+
+
+def test_plan_windows_file_order_span_and_gap_rules():
+    """Windows follow the files in the index's order, then offsets (not the items' order); a
+    window ends at the span limit, at a gap larger than ``gap``, and at a file change; an item
+    without a span or larger than a window is left over, in item order; inside a window, stacks
+    are cut by key and element limit."""
+    A, B = Path("a"), Path("b")
+    spans = [(B, 0, 64), (A, 512, 576), (A, 0, 64), None, (A, 64, 128), (A, 128, 1200),
+             (A, 1200, 1264), (A, 4000, 4064), (B, 64, 128)]
+    keys = ["g", "g", "g", None, "d", "g", "g", "g", "d"]
+    sizes = [10] * len(spans)
+    wins, rest = fast.plan_windows(spans, keys, sizes, limit=20, window_bytes=1024, gap=1000,
+                                   file_rank={A: 0, B: 1})
+    assert rest == [3, 5]  # no span; 1072 bytes > 1024
+    got = [(w.file, w.begin, w.end, w.items) for w in wins]
+    # 512 -> 1200 is within the gap but 0..1264 is over 1024 bytes; 1264 -> 4000 is a gap
+    assert got == [(A, 0, 576, [2, 4, 1]), (A, 1152, 1264, [6]), (A, 3968, 4064, [7]),
+                   (B, 0, 128, [0, 8])]
+    assert [w.batches for w in wins] == [[[2, 1], [4]], [[6]], [[7]], [[0], [8]]]
+    assert [len(w) for w in wins] == [3, 1, 1, 2]
+    # a smaller gap cuts 64 -> 512
+    wins, _ = fast.plan_windows(spans, keys, sizes, 20, 1024, gap=100, file_rank={A: 0, B: 1})
+    assert [w.items for w in wins][:2] == [[2, 4], [1]]
+    # the element limit cuts a key's run inside a window
+    wins, _ = fast.plan_windows(spans, keys, [15] * len(spans), 20, 1024, 1000, {A: 0, B: 1})
+    assert wins[0].batches == [[2], [1], [4]]
+
+
+@pytest.mark.gpu
+def test_cuda_window_stacks_equal_stack_grids_of_stored_grid(ck):
+    """On CUDA the span goes to the device in one copy and the stacks are cut there: the same
+    bits as the host path, no host grids (nothing on the GPU path uses them)."""
+    dev = torch.device("cuda")
+    recs, windows, _, parts = _windows(ck, 1 << 30)
+    for w in windows:
+        buf, glob = fast._load_window(ck, w, recs, parts, dev)
+        assert buf.is_cuda
+        for b in w.batches:
+            got = fast._window_stack(ck, w, buf, glob, b, [recs[i] for i in b], parts, dev)
+            assert got.grid.data.is_cuda and got.host_grids is None
+
+            def cpu(t):
+                return None if t is None else t.cpu()
+
+            g = dataclasses.replace(got.grid, data=cpu(got.grid.data), scale=cpu(got.grid.scale),
+                                    global_scale=cpu(got.grid.global_scale),
+                                    library_global=cpu(got.grid.library_global))
+            want = batched.stack_grids([stored_grid(ck, recs[i]) for i in b])
+            assert _same_grid(g, want), [recs[i].key for i in b]

@@ -6,6 +6,7 @@ NaN payloads and -0 count) with `read`, which goes through safetensors' own get_
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import threading
@@ -233,3 +234,61 @@ def test_many_threads_read_the_same_bytes_and_count_them(tmp_path):
     assert len(idx._fds) <= 2 and all(fd.users == 0 for fd in idx._fds.values())
     idx.close()
     assert not idx._fds
+
+
+# -- read_span: one run of a shard, front to back ------------------------------------------------
+
+
+def test_read_span_is_the_file_bytes_and_counts_asked_and_gaps(shards, monkeypatch):
+    """The span holds the file's bytes (each tensor's equal to `read`); requests are cut at
+    SPAN_CHUNK; the tensors named are counted as read_into counts them, the rest as gaps."""
+    folder, _ = shards
+    idx = ShardIndex(folder)
+    monkeypatch.setattr(index_mod, "SPAN_CHUNK", 100)  # several requests, one cut mid-tensor
+    calls = _count_preadv(monkeypatch)
+    for f in idx.files:
+        es = sorted((e for e in idx.entries.values() if e.file == f), key=lambda e: e.begin)
+        lo, hi = es[0].begin, es[-1].end
+        out = torch.empty(hi - lo, dtype=torch.uint8)
+        idx.stats.reset()
+        calls.clear()
+        asked = [(e.name, e.nbytes) for e in es[::2]]
+        idx.read_span(f, lo, out, asked)
+        assert len(calls) == -(-(hi - lo) // 100)
+        assert idx.stats.per_tensor == dict(asked)
+        assert idx.stats.bytes_read + idx.stats.gap_bytes == hi - lo
+        assert idx.stats.gap_bytes == sum(e.nbytes for e in es[1::2]) + \
+            sum(b.begin - a.end for a, b in itertools.pairwise(es))
+        assert bytes(out.numpy()) == f.read_bytes()[lo:hi]
+        for e in es:
+            got = out[e.begin - lo:e.end - lo].view(e.dtype).view(e.shape)
+            assert _same(got, idx.read(e.name))
+
+
+def test_read_span_refuses_spans_outside_the_data_and_foreign_files(shards, tmp_path):
+    folder, _ = shards
+    idx = ShardIndex(folder)
+    f = idx.files[0]
+    end = max(e.end for e in idx.entries.values() if e.file == f)
+    with pytest.raises(ValueError, match="outside the tensor data"):
+        idx.read_span(f, end - 4, torch.empty(8, dtype=torch.uint8), [])
+    with pytest.raises(ValueError, match="outside the tensor data"):
+        idx.read_span(f, -1, torch.empty(1, dtype=torch.uint8), [])
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(f.read_bytes())
+    with pytest.raises(ValueError, match="not a shard"):
+        idx.read_span(other, 0, torch.empty(8, dtype=torch.uint8), [])
+    with pytest.raises(ValueError, match="uint8"):
+        idx.read_span(f, end - 8, torch.empty(4, dtype=torch.bfloat16), [])
+
+
+def test_read_span_of_a_shard_truncated_after_indexing_names_it(tmp_path):
+    tensors = {"a": _random((4, 64), torch.uint8, 1), "b": _random((4, 64), torch.bfloat16, 2)}
+    folder, shard = _truncated_copy(tmp_path, tensors)
+    idx = ShardIndex(folder)
+    es = sorted(idx.entries.values(), key=lambda e: e.begin)
+    os.truncate(shard, es[-1].end - 10)
+    out = torch.empty(es[-1].end - es[0].begin, dtype=torch.uint8)
+    with pytest.raises(CorruptShardError, match="truncated after the index was built") as ei:
+        idx.read_span(shard, es[0].begin, out, [(es[0].name, es[0].nbytes)])
+    assert ei.value.path == str(shard)

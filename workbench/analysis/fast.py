@@ -42,7 +42,7 @@ CPU_BATCH_ELEMENTS = 1 << 21  # 2M elements (4 MB BF16, ~1.3 Qwen3 experts): the
 CUDA_BATCH_ELEMENTS = 1 << 28  # 256M elements: a whole layer's experts per launch on a GPU
 
 READER_ENV = "WORKBENCH_ANALYSIS_READER"
-READERS = ("auto", "preadv", "safetensors")
+READERS = ("auto", "window", "preadv", "safetensors")
 # read once: the benchmark runs each reader in its own process to compare them. "auto" is what
 # measured better per device. On the H200 host (jobs/gpu/issue20.sh, 15 GB MXFP4, one run) preadv
 # gave the same or shorter wall time (0.54-0.55x of the read vs 0.47-0.53x for stored grids vs
@@ -60,7 +60,7 @@ def reader_for(dev: torch.device) -> str:
         raise ValueError(f"{READER_ENV}={READER!r}: must be one of {', '.join(READERS)}")
     if READER != "auto":
         return READER
-    return "preadv" if dev.type == "cuda" else "safetensors"
+    return "window" if dev.type == "cuda" else "safetensors"
 
 
 # threads reading the members of one batch: the pipeline's ``ahead`` batches alone keep too few
@@ -68,23 +68,32 @@ def reader_for(dev: torch.device) -> str:
 READ_THREADS = max(2, min(8, os.cpu_count() or 2))
 
 
+CUDA_WINDOW_BYTES = 512 << 20  # the window reader's span: ~1.5 Qwen3-30B-A3B MXFP4 layers; 3 alive
+CPU_WINDOW_BYTES = 16 << 20  # on CPU (only when asked for): bounds memory as the stacks do
+WINDOW_GAP = 8 << 20  # bytes of other tensors a window reads through rather than seek over
+
+
 @dataclass(frozen=True)
 class Plan:
-    """How the batched path runs: elements per stack, reader threads, batches read ahead."""
+    """How the batched path runs: elements per stack, reader threads, batches read ahead, and
+    the window reader's span (``window_bytes``)."""
 
     batch_elements: int
     workers: int
     ahead: int
+    window_bytes: int = CUDA_WINDOW_BYTES
 
     def __post_init__(self):
-        if self.batch_elements < 1 or self.workers < 1 or self.ahead < 1:
-            raise ValueError(f"batch_elements, workers and ahead must be >= 1, got {self}")
+        if min(self.batch_elements, self.workers, self.ahead, self.window_bytes) < 1:
+            raise ValueError(f"batch_elements, workers, ahead and window_bytes must be >= 1, "
+                             f"got {self}")
 
     @classmethod
     def default(cls, device: torch.device, workers: int | None = None) -> Plan:
         if device.type == "cuda":
             return cls(CUDA_BATCH_ELEMENTS, workers or max(2, min(8, os.cpu_count() or 2)), 2)
-        return cls(CPU_BATCH_ELEMENTS, workers or max(1, min(2, os.cpu_count() or 1)), 2)
+        return cls(CPU_BATCH_ELEMENTS, workers or max(1, min(2, os.cpu_count() or 1)), 2,
+                   CPU_WINDOW_BYTES)
 
 
 def _grid_codec(ck, rec) -> bool:
@@ -210,24 +219,40 @@ def _read_grid_stack(ck, recs: list, dev: torch.device):
     else:
         for j in jobs:
             ck.index.read_into(*j)
-    data, scale = bufs["data"], bufs["scale"]
-    # stored_grid's per-member steps, on the whole stack (views: still the pinned buffers)
+    return _assemble(ck, specs, recs, bufs["data"], bufs["scale"], dev)
+
+
+def _globals(ck, specs: list) -> list[tuple]:
+    """Each member's (library global, decode global) (NVFP4), else (None, None)."""
+    if FMT_OF_CODEC[specs[0].codec] != "nvfp4":
+        return [(None, None)] * len(specs)
+    return [library_global(ck, s) for s in specs]
+
+
+def _assemble(ck, specs: list, recs: list, data: torch.Tensor, scale: torch.Tensor,
+              dev: torch.device, globals_: list[tuple] | None = None):
+    """``(stack, host grids)`` from the members' stored parts stacked ``[E, ...]`` as stored:
+    ``stored_grid``'s per-member steps on the whole stack. Parts on the host go to a CUDA
+    ``dev`` in one async copy each; the host grids are views of the host parts (None when the
+    parts are already on a GPU)."""
+    s0 = specs[0]
     if s0.blocks4d:  # gpt-oss [.., N, K/32, 16] -> [.., N, K/2]
         data = data.reshape(*data.shape[:-2], -1)
     if scale.dtype == torch.float8_e8m0fnu:
         scale = scale.view(torch.uint8)
     fmt = FMT_OF_CODEC[s0.codec]
-    globals_ = [library_global(ck, s) for s in specs] if fmt == "nvfp4" else \
-        [(None, None)] * len(recs)
+    globals_ = _globals(ck, specs) if globals_ is None else globals_
     shape = tuple(recs[0].shape)
-    host = [QuantizedTensor(fmt, s.profile, data[i], scale[i], gs, shape, lib)
-            for i, (s, (lib, gs)) in enumerate(zip(specs, globals_))]
-
+    host = None
+    if data.device.type == "cpu":
+        host = [QuantizedTensor(fmt, s.profile, data[i], scale[i], gs, shape, lib)
+                for i, (s, (lib, gs)) in enumerate(zip(specs, globals_))]
     gs = batched.per_expert([g for _, g in globals_])  # as stack_grids stacks them
     lib = batched.per_expert([g for g, _ in globals_])
-    if dev.type == "cuda":  # one async copy per buffer; the [E, 1, 1] globals are tiny
+    if dev.type == "cuda" and data.device.type == "cpu":  # one async copy per buffer
         data, scale = _h2d(data, dev), _h2d(scale, dev)
     stack = QuantizedTensor(fmt, s0.profile, data, scale, gs, (len(recs), *shape), lib)
+    # the [E, 1, 1] globals are tiny
     return replace(stack, global_scale=None if gs is None else _stage(gs, dev),
                    library_global=None if lib is None else _stage(lib, dev)), host
 
@@ -247,10 +272,11 @@ class Loaded:
 
 
 def load_stack(ck, recs: list, dev: torch.device, *, want_grid_only: bool = False) -> Loaded:
-    """Read one batch's records (one signature) and stage them on ``dev`` as a stack."""
+    """Read one batch's records (one signature) and stage them on ``dev`` as a stack. Under
+    the window reader this serves the records no window takes (preadv per member)."""
     reader = reader_for(dev)
     if _grid_codec(ck, recs[0]):
-        got = _read_grid_stack(ck, recs, dev) if reader == "preadv" else None
+        got = _read_grid_stack(ck, recs, dev) if reader in ("preadv", "window") else None
         if got is not None:
             return Loaded(got[0], got[1], None)
         grids = [stored_grid(ck, r) for r in recs]
@@ -259,6 +285,152 @@ def load_stack(ck, recs: list, dev: torch.device, *, want_grid_only: bool = Fals
     if want_grid_only:
         return Loaded(None, None, None)
     return Loaded(None, None, _stack_stage([ck.view_of(r).materialize() for r in recs], dev))
+
+
+# -- the window reader: one sequential pass over each shard ----------------------------------
+#
+# The per-batch readers fetch each stack's members wherever they lie, so a pass over stacks
+# grouped by shape skips through every shard twice (gate/up stacks, then down stacks) with many
+# ~1 MB reads in flight. The window reader reads each shard front to back in large requests,
+# as a plain read does, one span ("window") at a time on one reader thread, copies the span to
+# the device in one piece, and cuts the stacks out of it there: the members' bytes are views
+# of the span, stacked by one device copy.
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One stored part (codes or scales) of one record: a contiguous run of its shard."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # the selected shape, as ``selection`` gives it
+    begin: int  # absolute byte offset in the shard
+    nbytes: int
+
+
+def _window_parts(ck, rec) -> tuple | None:
+    """``(shard, (data, scale))`` of a stored-grid record whose two parts are each one
+    contiguous, element-aligned run of one shard; None for any other record (gpt-oss's
+    interleaved gate/up rows, dense weights, parts in two shards): the per-batch readers take
+    those."""
+    spec = ck.spec(rec.name)
+    if spec.codec not in FMT_OF_CODEC:
+        return None
+    ix = grid_selection(ck, rec)
+    parts, files = [], set()
+    for role in ("data", "scale"):
+        name = spec.part(role)
+        e = ck.index.entry(name)
+        shape, first, count = selection(e.shape, ix)
+        size = e.dtype.itemsize
+        if first is None or (e.begin + first * size) % size:
+            return None
+        parts.append(_Part(name, e.dtype, shape, e.begin + first * size, count * size))
+        files.add(e.file)
+    if len(files) != 1:
+        return None
+    return files.pop(), tuple(parts)
+
+
+WINDOW_ALIGN = 64  # a window starts on this byte boundary, so every part's view is aligned
+
+
+@dataclass
+class Window:
+    """A span ``[begin, end)`` of one shard read front to back, the items (positions) whose
+    parts lie in it, and those items cut into stacks."""
+
+    file: object  # Path
+    begin: int
+    end: int
+    items: list[int]
+    batches: list[list[int]]
+
+    def __len__(self) -> int:  # the progress bar counts weights
+        return len(self.items)
+
+
+def plan_windows(spans: list, keys: list, sizes: list[int], limit: int, window_bytes: int,
+                 gap: int = WINDOW_GAP, file_rank: dict | None = None
+                 ) -> tuple[list[Window], list[int]]:
+    """``(windows, rest)``. ``spans[i]`` is item i's ``(file, begin, end)`` or None. Items are
+    taken in file order (shards by ``file_rank``, else by first appearance, then by offset);
+    a window grows while its span stays within ``window_bytes`` and the next item begins at most
+    ``gap`` bytes after the window's end. Inside a window the items are cut into stacks as
+    ``plan_batches`` cuts them (same key, at most ``limit`` elements). ``rest``: the items
+    without a span or with one larger than ``window_bytes``, in their order."""
+    rank = dict(file_rank or {})
+    for sp in spans:
+        if sp is not None and sp[0] not in rank:
+            rank[sp[0]] = len(rank)
+    rest = [i for i, sp in enumerate(spans)
+            if sp is None or sp[2] - (sp[1] - sp[1] % WINDOW_ALIGN) > window_bytes]
+    left = set(rest)
+    order = sorted((i for i in range(len(spans)) if i not in left),
+                   key=lambda i: (rank[spans[i][0]], spans[i][1], spans[i][2], i))
+    windows: list[Window] = []
+    cur: Window | None = None
+    for i in order:
+        f, lo, hi = spans[i]
+        if cur is not None and f == cur.file and lo <= cur.end + gap and \
+                max(cur.end, hi) - cur.begin <= window_bytes:
+            cur.end = max(cur.end, hi)
+            cur.items.append(i)
+            continue
+        cur = Window(f, lo - lo % WINDOW_ALIGN, hi, [i], [])
+        windows.append(cur)
+    for w in windows:
+        w.batches = [[w.items[j] for j in b] for b in
+                     plan_batches([keys[i] for i in w.items], [sizes[i] for i in w.items], limit)]
+    return windows, rest
+
+
+def window_plan(ck, items: list, keyf: Callable, plan: Plan):
+    """``(windows, rest, parts)`` for records ``items``: ``plan_windows`` over those
+    ``_window_parts`` takes, ``rest`` (positions) for the per-batch readers, and the windowed
+    items' parts by position. Stacks cut from one window must stack, so the parts' dtypes and
+    shapes join ``keyf``'s key."""
+    sizes = [r.shape[0] * r.shape[1] for r in items]
+    got = [_window_parts(ck, r) for r in items]
+    parts = {i: g[1] for i, g in enumerate(got) if g is not None}
+    spans = [None if g is None else
+             (g[0], min(p.begin for p in g[1]), max(p.begin + p.nbytes for p in g[1]))
+             for g in got]
+    keys = [None if g is None else
+            (keyf(r), tuple((p.dtype, p.shape) for p in g[1]), ck.spec(r.name).blocks4d)
+            for r, g in zip(items, got)]
+    windows, rest = plan_windows(spans, keys, sizes, plan.batch_elements, plan.window_bytes,
+                                 file_rank={f: k for k, f in enumerate(ck.index.files)})
+    return windows, rest, parts
+
+
+def _load_window(ck, w: Window, recs: list, parts: dict, dev: torch.device):
+    """``(span, globals)``: window ``w``'s bytes read front to back into one buffer (pinned,
+    then one async copy, on CUDA) and each member's NVFP4 globals by item position (``recs``:
+    the records of all items)."""
+    host = torch.empty(w.end - w.begin, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    ck.index.read_span(w.file, w.begin, host,
+                       [(p.name, p.nbytes) for i in w.items for p in parts[i]])
+    glob = {i: _globals(ck, [ck.spec(recs[i].name)])[0] for i in w.items}
+    return (_h2d(host, dev) if dev.type == "cuda" else host), glob
+
+
+def _window_stack(ck, w: Window, buf: torch.Tensor, glob: dict, batch: list[int], recs: list,
+                  parts: dict, dev: torch.device) -> Loaded:
+    """The stack of ``batch`` (item positions; ``recs`` their records) cut out of window
+    ``w``'s span ``buf``: each member's parts are views of the span, stacked by one copy."""
+    def stacked(k: int) -> torch.Tensor:
+        views = []
+        for i in batch:
+            p = parts[i][k]
+            lo = p.begin - w.begin
+            views.append(buf[lo:lo + p.nbytes].view(p.dtype).view(p.shape))
+        return torch.stack(views)
+
+    specs = [ck.spec(r.name) for r in recs]
+    stack, host = _assemble(ck, specs, recs, stacked(0), stacked(1), dev,
+                            [glob[i] for i in batch])
+    return Loaded(stack, host, None)
 
 
 def pipeline(batches: list, load: Callable, compute: Callable, *, workers: int, ahead: int,
@@ -303,20 +475,45 @@ def _hist(rec, recipe: str, pairs) -> list[dict]:
     return [{**base, "exponent": int(e), "count": int(c)} for e, c in pairs]
 
 
-def _run(ck, items: list, keyf, dev, plan: Plan, desc: str, progress: bool, load, per_batch):
-    """Per record, in record order: (rows, hist) from ``per_batch(recs, loaded)``."""
+def _run(ck, items: list, keyf, dev, plan: Plan, desc: str, progress: bool, load, per_batch,
+         windows: bool = False):
+    """Per record, in record order: (rows, hist) from ``per_batch(recs, loaded)``. With
+    ``windows`` and the window reader on ``dev``, the stored grids that lie in contiguous runs
+    are read in windows (one reader thread, front to back); ``load`` serves the rest."""
     sizes = [r.shape[0] * r.shape[1] for r in items]
-    batches = plan_batches([keyf(r) for r in items], sizes, plan.batch_elements)
+    rest = list(range(len(items)))
+    units: list = []
+    parts: dict[int, tuple] = {}
+    if windows and reader_for(dev) == "window":
+        units, rest, parts = window_plan(ck, items, keyf, plan)
+    units += [[rest[j] for j in b] for b in
+              plan_batches([keyf(items[i]) for i in rest], [sizes[i] for i in rest],
+                           plan.batch_elements)]
     results: dict[int, tuple] = {}
 
-    def compute(b, loaded):
-        for i, res in zip(b, per_batch([items[i] for i in b], loaded)):
-            results[i] = res
+    def load_unit(u):
+        if isinstance(u, Window):
+            return _load_window(ck, u, items, parts, dev)
+        return load([items[i] for i in u])
+
+    def compute(u, loaded):
+        if isinstance(u, Window):
+            buf, glob = loaded
+            for b in u.batches:
+                recs = [items[i] for i in b]
+                stack = _window_stack(ck, u, buf, glob, b, recs, parts, dev)
+                for i, res in zip(b, per_batch(recs, stack)):
+                    results[i] = res
+        else:
+            for i, res in zip(u, per_batch([items[i] for i in u], loaded)):
+                results[i] = res
         return ()
 
-    for _ in pipeline(batches, lambda b: load([items[i] for i in b]), compute,
-                      workers=plan.workers, ahead=plan.ahead, desc=desc, total=len(items),
-                      progress=progress):
+    # windows are read one after another, front to back (a second reader would interleave two
+    # sequential streams); the per-batch loads spread their members over the read pool
+    workers = 1 if any(isinstance(u, Window) for u in units) else plan.workers
+    for _ in pipeline(units, load_unit, compute, workers=workers, ahead=plan.ahead, desc=desc,
+                      total=len(items), progress=progress):
         pass
     return [results[i] for i in range(len(items))]
 
@@ -407,7 +604,7 @@ def candidate_results(ck, items, recipes: list[Recipe], dev, plan: Plan, progres
         return out
 
     return _run(ck, items, lambda r: _signature(ck, r), dev, plan, "candidate recipes", progress,
-                lambda recs: load_stack(ck, recs, dev), per_batch)
+                lambda recs: load_stack(ck, recs, dev), per_batch, windows=True)
 
 
 def reference_results(ck, reference, items, label: Callable, dev, plan: Plan, progress: bool,
@@ -499,7 +696,8 @@ def stored_results(ck, items, recipes: list[Recipe], dev, plan: Plan, progress: 
         return out
 
     return _run(ck, items, lambda r: _signature(ck, r), dev, plan, "stored grid vs recipes",
-                progress, lambda recs: load_stack(ck, recs, dev, want_grid_only=True), per_batch)
+                progress, lambda recs: load_stack(ck, recs, dev, want_grid_only=True), per_batch,
+                windows=True)
 
 
 def _fused_members(grids: list[QuantizedTensor], recipe: Recipe) -> list[int]:

@@ -97,9 +97,10 @@ class IndexStats:
     bytes_read: int = 0
     requests: int = 0
     per_tensor: dict[str, int] = field(default_factory=dict)
+    gap_bytes: int = 0  # read by `read_span` between the tensors asked for (not in bytes_read)
 
     def reset(self) -> None:
-        self.bytes_read, self.requests = 0, 0
+        self.bytes_read, self.requests, self.gap_bytes = 0, 0, 0
         self.per_tensor.clear()
 
 
@@ -268,6 +269,7 @@ class ShardIndex:
         self._lock = threading.Lock()  # the two caches and the stats; never held over a copy
         self.entries: dict[str, TensorEntry] = {}
         self.files: list[Path] = []
+        self._ends: dict[Path, int] | None = None  # per shard, where its last tensor ends
         self._build()
 
     def _build(self) -> None:
@@ -444,6 +446,60 @@ class ShardIndex:
         self._count(name, nbytes)
         return out
 
+    def read_span(self, path: Path, begin: int, out: torch.Tensor,
+                  tensors: list[tuple[str, int]]) -> torch.Tensor:
+        """Bytes ``[begin, begin + len(out))`` of shard ``path`` into the contiguous CPU uint8
+        tensor ``out``, front to back in ``SPAN_CHUNK`` requests: one sequential pass through a
+        region that holds many tensors, as a plain read of the file goes (the analysis reads a
+        layer's experts this way, then takes each tensor's bytes from the buffer).
+
+        ``path`` must be a shard of this index and the span must end within the bytes its
+        entries cover (ValueError otherwise: a caller's bug, not the file's). ``tensors`` are
+        the (name, bytes) asked for inside the span, counted as ``read_into`` counts them; the
+        bytes between them go to ``stats.gap_bytes``. A shard that ends early raises
+        `CorruptShardError` naming it."""
+        n = out.numel()
+        if out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous() \
+                or out.dim() != 1:
+            raise ValueError(f"read_span needs a 1-d contiguous CPU uint8 tensor, got "
+                             f"{out.dtype} {tuple(out.shape)} on {out.device}")
+        end = self._data_end(path)
+        if begin < 0 or begin + n > end:
+            raise ValueError(f"{path.name}: span [{begin}, {begin + n}) outside the tensor data "
+                             f"[0, {end})")
+        name = tensors[0][0] if tensors else "<span>"
+        if n:
+            buf = memoryview(out.numpy()).cast("B")
+            span = TensorEntry(name, path, torch.uint8, (n,), begin, begin + n)
+            fd = self._acquire_fd(path, name)
+            try:
+                for lo in range(0, n, SPAN_CHUNK):
+                    _pread_full(fd.fd, buf[lo:lo + SPAN_CHUNK], begin + lo, span, name,
+                                (slice(lo, min(n, lo + SPAN_CHUNK)),))
+            finally:
+                self._release_fd(fd)
+        asked = 0
+        for t, k in tensors:
+            self._count(t, k)
+            asked += k
+        with self._lock:
+            self.stats.gap_bytes += max(0, n - asked)
+        return out
+
+    def _data_end(self, path: Path) -> int:
+        """Where the last tensor of shard ``path`` ends (ValueError when ``path`` is not one of
+        this index's shards)."""
+        with self._lock:
+            if self._ends is None:
+                ends: dict[Path, int] = {}
+                for e in self.entries.values():
+                    if e.end > ends.get(e.file, 0):
+                        ends[e.file] = e.end
+                self._ends = ends
+            if path not in self._ends:
+                raise ValueError(f"{path}: not a shard of this checkpoint's index")
+            return self._ends[path]
+
     def _acquire_fd(self, path: Path, name: str) -> _Fd:
         """The shard's cached read-only descriptor, its user count raised. Opened through
         `open_regular` (inside the root, fstat says regular) on first use; evicted ones are
@@ -476,6 +532,7 @@ class ShardIndex:
                 fd.retire()
 
 
+SPAN_CHUNK = 16 << 20  # read_span's request size: what a plain sequential read of a file uses
 _PREADV = hasattr(os, "preadv")  # not on Windows: read_into copies `read` there
 
 
