@@ -11,12 +11,14 @@
 #           =window: each shard read front to back in 512 MiB spans, stacks cut on the device),
 #           two calls each, cold page cache each, the tables of the readers compared
 #                                                                   -> $OUT/bench_analysis.{md,log}
-#   formats the other formats and the third question with the default reader: NVFP4 and MXFP8
-#           (stored vs recipes, candidate recipes), then MXFP4 reference errors
-#                                                                   -> $OUT/formats/
+#   formats the other formats with the default reader: NVFP4 and MXFP8 (stored vs recipes,
+#           candidate recipes)                                      -> $OUT/formats/
+#   reference  the third question, both readers: MXFP4 against its BF16 reference, $REF_GB GB
+#           of BF16 (12: a 15 GB pair, 10 layers)                   -> $OUT/reference/
 # Usage (device tool, kind nvidia-h200, nothing to carry: the analysis imports no torchao):
 #   bash jobs/gpu/issue20.sh                  # tests + bench (~6 minutes at 15 GB)
-#   STAGES=formats bash jobs/gpu/issue20.sh   # ~6 minutes at 15 GB
+#   STAGES=formats bash jobs/gpu/issue20.sh   # ~3 minutes at 15 GB
+#   STAGES=tests,reference bash jobs/gpu/issue20.sh   # ~3 minutes
 #   SIZE_GB=6 bash jobs/gpu/issue20.sh        # smaller, if the 540 s of a call are short
 #   STAGES=profile bash jobs/gpu/issue20.sh   # where a pass's time goes (jobs/gpu/analysis_profile.py,
 #                                             # about 4 minutes at 15 GB)  -> $OUT/analysis_profile.md
@@ -29,6 +31,7 @@ source "$(dirname "$0")/_env.sh"
 STAGES=${STAGES:-tests,bench}
 SIZE_GB=${SIZE_GB:-15}
 READERS=${READERS:-preadv,window}
+REF_GB=${REF_GB:-12}
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   nproc; df -h /tmp | tail -1
   "$PY" -c "import torch, safetensors; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'safetensors', safetensors.__version__)"
@@ -52,11 +55,13 @@ if [[ $STAGES == *formats* ]]; then
   timeout 400 "$PY" jobs/bench_analysis.py --size-gb "$SIZE_GB" --cleanup \
     --formats nvfp4,mxfp8_e4m3 --questions stored_vs_recipes,candidate_errors \
     --out "$OUT/formats" 2>&1 | tee "$OUT/formats/bench_analysis.log"
-  stamp "reference errors"
-  mkdir -p "$OUT/formats/reference"
-  timeout 150 "$PY" jobs/bench_analysis.py --size-gb "$SIZE_GB" --cleanup --formats mxfp4 \
-    --questions reference_errors --out "$OUT/formats/reference" 2>&1 \
-    | tee "$OUT/formats/reference/bench_analysis.log"
+fi
+if [[ $STAGES == *reference* ]]; then
+  stamp "reference errors ($REF_GB GB of BF16 + its MXFP4)"
+  mkdir -p "$OUT/reference"
+  timeout 400 "$PY" jobs/bench_analysis.py --size-gb "$REF_GB" --ref-gb "$REF_GB" --cleanup \
+    --formats mxfp4 --questions reference_errors --readers "$READERS" --out "$OUT/reference" \
+    2>&1 | tee "$OUT/reference/bench_analysis.log"
 fi
 if [[ $STAGES == *profile* ]]; then
   stamp "profile ($SIZE_GB GB)"

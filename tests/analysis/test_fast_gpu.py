@@ -39,9 +39,11 @@ def test_cuda_candidate_errors(layout, monkeypatch):  # noqa: F811
         assert_tables_equal(ref, got, (name, "cuda", reader))
 
 
-def test_cuda_reference_errors(layout):  # noqa: F811
+def test_cuda_reference_errors(layout, monkeypatch):  # noqa: F811
     name, ck, dense = layout
     ref = reference_errors(ck, dense, kinds=("routed",), progress=False, path="reference",
                            device="cpu")
-    got = reference_errors(ck, dense, kinds=("routed",), progress=False, device="cuda")
-    assert_tables_equal(ref, got, (name, "cuda"))
+    for reader in READERS:
+        monkeypatch.setattr(fast, "READER", reader)
+        got = reference_errors(ck, dense, kinds=("routed",), progress=False, device="cuda")
+        assert_tables_equal(ref, got, (name, "cuda", reader))

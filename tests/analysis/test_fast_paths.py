@@ -98,11 +98,15 @@ def test_batched_candidate_errors_every_layout(layout, monkeypatch):
                             (name, "batched", reader))
 
 
-def test_batched_reference_errors_every_layout(layout):
+def test_batched_reference_errors_every_layout(layout, monkeypatch):
+    from workbench.analysis import fast
+
     name, ck, dense = layout
     ref = reference_errors(ck, dense, kinds=("routed",), progress=False, path="reference")
-    got = reference_errors(ck, dense, kinds=("routed",), progress=False, path="batched")
-    assert_tables_equal(ref, got, (name, "batched"))
+    for reader in READERS:
+        monkeypatch.setattr(fast, "READER", reader)
+        got = reference_errors(ck, dense, kinds=("routed",), progress=False, path="batched")
+        assert_tables_equal(ref, got, (name, "batched", reader))
 
 
 FUSED_RECIPES = ["mxfp4:rceil", "nvfp4:torchao", "mxfp8_e4m3:rceil"]  # one per format

@@ -141,10 +141,11 @@ def test_load_stack_same_under_both_readers(ck, monkeypatch):
         fast.load_stack(ck, recs, CPU)
 
 
-def _windows(ck, window_bytes: int, limit: int = 1 << 30):
-    recs = [r for r in ck.expert_records() if fast._grid_codec(ck, r)]
+def _windows(ck, window_bytes: int, limit: int = 1 << 30, dense: bool = False):
+    recs = [r for r in ck.expert_records() if dense or fast._grid_codec(ck, r)]
     plan = fast.Plan(limit, 1, 2, window_bytes)
-    return (recs, *fast.window_plan(ck, recs, lambda r: fast._signature(ck, r), plan))
+    return (recs, *fast.window_plan(ck, recs, [fast._signature(ck, r) for r in recs], plan,
+                                    dense))
 
 
 @pytest.mark.parametrize("window_bytes", [1 << 30, 3000, 1], ids=["one", "small", "none"])
@@ -319,3 +320,35 @@ def test_cuda_window_stacks_equal_stack_grids_of_stored_grid(ck):
                                     library_global=cpu(got.grid.library_global))
             want = batched.stack_grids([stored_grid(ck, recs[i]) for i in b])
             assert _same_grid(g, want), [recs[i].key for i in b]
+
+
+def test_dense_window_stacks_equal_materialize(tmp_path):
+    """BF16 weights (the reference of question 2, a BF16 checkpoint under candidate recipes) cut
+    out of windows equal ``view_of(r).materialize()`` stacked; grids and BF16 never share a
+    stack; a dense weight stored in another dtype is left to the per-batch readers (it is cast
+    on read)."""
+    from analysis_ckpts import moe_weights, write_dense, write_mxfp4
+
+    sd = moe_weights(layers=3, experts=4, hidden=96, ffn=64)
+    sd["model.layers.2.mlp.experts.3.up_proj.weight"] = \
+        sd["model.layers.2.mlp.experts.3.up_proj.weight"].float()  # stored F32
+    for ck in (open_checkpoint(write_dense(tmp_path / "bf16", sd)),
+               open_checkpoint(write_mxfp4(tmp_path / "mx", sd))):  # packed: every proj a grid
+        recs, windows, rest, parts = _windows(ck, 20000, dense=True)
+        assert windows and sorted([i for w in windows for i in w.items] + rest) == \
+            list(range(len(recs)))
+        for w in windows:
+            buf, glob = fast._load_window(ck, w, recs, parts, CPU)
+            for b in w.batches:
+                got = fast._window_stack(ck, w, buf, glob, b, [recs[i] for i in b], parts, CPU)
+                if got.grid is None:
+                    want = torch.stack([ck.view_of(recs[i]).materialize() for i in b])
+                    assert _same(got.dense, want), [recs[i].key for i in b]
+                else:
+                    want = batched.stack_grids([stored_grid(ck, recs[i]) for i in b])
+                    assert _same_grid(got.grid, want)
+        f32 = [i for i, r in enumerate(recs)
+               if (r.layer, r.expert, r.proj, r.kind) == (2, 3, "up", "routed")]
+        assert len(f32) == 1 and (f32[0] in rest) == (ck.spec(recs[f32[0]].name).codec is None)
+        kinds = {(ck.spec(recs[i].name).codec is None) for w in windows for i in w.items}
+        assert kinds == {ck.spec(recs[0].name).codec is None}

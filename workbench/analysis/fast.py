@@ -308,26 +308,35 @@ class _Part:
     nbytes: int
 
 
-def _window_parts(ck, rec) -> tuple | None:
-    """``(shard, (data, scale))`` of a stored-grid record whose two parts are each one
-    contiguous, element-aligned run of one shard; None for any other record (gpt-oss's
-    interleaved gate/up rows, dense weights, parts in two shards): the per-batch readers take
-    those."""
+def _window_parts(ck, rec, dense: bool = False) -> tuple | None:
+    """``(shard, parts)`` of a record whose stored parts are each one contiguous,
+    element-aligned run of one shard: ``(data, scale)`` of a stored grid, or with ``dense``
+    ``(data,)`` of a weight stored as plain BF16 ``[.., N, K]`` (what ``materialize`` returns
+    without a cast or transpose). None for any other record (gpt-oss's interleaved gate/up rows,
+    transposed or non-BF16 dense weights, parts in two shards): the per-batch readers take it."""
     spec = ck.spec(rec.name)
-    if spec.codec not in FMT_OF_CODEC:
+    if spec.codec in FMT_OF_CODEC:
+        roles = ("data", "scale")
+    elif dense and spec.codec is None and spec.stored_dtype == torch.bfloat16 and \
+            not spec.transposed and not spec.interleaved:
+        roles = ("data",)
+    else:
         return None
     ix = grid_selection(ck, rec)
     parts, files = [], set()
-    for role in ("data", "scale"):
+    for role in roles:
         name = spec.part(role)
         e = ck.index.entry(name)
+        if len(e.shape) < 2:
+            return None
         shape, first, count = selection(e.shape, ix)
         size = e.dtype.itemsize
         if first is None or (e.begin + first * size) % size:
             return None
         parts.append(_Part(name, e.dtype, shape, e.begin + first * size, count * size))
         files.add(e.file)
-    if len(files) != 1:
+    if len(files) != 1 or (len(roles) == 1 and (parts[0].dtype != torch.bfloat16 or
+                                                 parts[0].shape != tuple(rec.shape))):
         return None
     return files.pop(), tuple(parts)
 
@@ -385,20 +394,20 @@ def plan_windows(spans: list, keys: list, sizes: list[int], limit: int, window_b
     return windows, rest
 
 
-def window_plan(ck, items: list, keyf: Callable, plan: Plan):
-    """``(windows, rest, parts)`` for records ``items``: ``plan_windows`` over those
-    ``_window_parts`` takes, ``rest`` (positions) for the per-batch readers, and the windowed
-    items' parts by position. Stacks cut from one window must stack, so the parts' dtypes and
-    shapes join ``keyf``'s key."""
-    sizes = [r.shape[0] * r.shape[1] for r in items]
-    got = [_window_parts(ck, r) for r in items]
+def window_plan(ck, recs: list, keys: list, plan: Plan, dense: bool = False):
+    """``(windows, rest, parts)`` for records ``recs`` of ``ck`` (stacked by ``keys``):
+    ``plan_windows`` over those ``_window_parts`` takes, ``rest`` (positions) for the per-batch
+    readers, and the windowed records' parts by position. Stacks cut from one window must
+    stack, so the parts' dtypes and shapes join the key."""
+    sizes = [r.shape[0] * r.shape[1] for r in recs]
+    got = [_window_parts(ck, r, dense) for r in recs]
     parts = {i: g[1] for i, g in enumerate(got) if g is not None}
     spans = [None if g is None else
              (g[0], min(p.begin for p in g[1]), max(p.begin + p.nbytes for p in g[1]))
              for g in got]
     keys = [None if g is None else
-            (keyf(r), tuple((p.dtype, p.shape) for p in g[1]), ck.spec(r.name).blocks4d)
-            for r, g in zip(items, got)]
+            (k, tuple((p.dtype, p.shape) for p in g[1]), ck.spec(r.name).blocks4d)
+            for r, g, k in zip(recs, got, keys)]
     windows, rest = plan_windows(spans, keys, sizes, plan.batch_elements, plan.window_bytes,
                                  file_rank={f: k for k, f in enumerate(ck.index.files)})
     return windows, rest, parts
@@ -411,14 +420,15 @@ def _load_window(ck, w: Window, recs: list, parts: dict, dev: torch.device):
     host = torch.empty(w.end - w.begin, dtype=torch.uint8, pin_memory=dev.type == "cuda")
     ck.index.read_span(w.file, w.begin, host,
                        [(p.name, p.nbytes) for i in w.items for p in parts[i]])
-    glob = {i: _globals(ck, [ck.spec(recs[i].name)])[0] for i in w.items}
+    glob = {i: _globals(ck, [ck.spec(recs[i].name)])[0] for i in w.items if len(parts[i]) == 2}
     return (_h2d(host, dev) if dev.type == "cuda" else host), glob
 
 
 def _window_stack(ck, w: Window, buf: torch.Tensor, glob: dict, batch: list[int], recs: list,
                   parts: dict, dev: torch.device) -> Loaded:
     """The stack of ``batch`` (item positions; ``recs`` their records) cut out of window
-    ``w``'s span ``buf``: each member's parts are views of the span, stacked by one copy."""
+    ``w``'s span ``buf``: each member's parts are views of the span, stacked by one copy (a
+    batch is all grids or all BF16: the parts join the key)."""
     def stacked(k: int) -> torch.Tensor:
         views = []
         for i in batch:
@@ -427,6 +437,8 @@ def _window_stack(ck, w: Window, buf: torch.Tensor, glob: dict, batch: list[int]
             views.append(buf[lo:lo + p.nbytes].view(p.dtype).view(p.shape))
         return torch.stack(views)
 
+    if len(parts[batch[0]]) == 1:  # plain BF16: what ``materialize`` gives, stacked
+        return Loaded(None, None, stacked(0))
     specs = [ck.spec(r.name) for r in recs]
     stack, host = _assemble(ck, specs, recs, stacked(0), stacked(1), dev,
                             [glob[i] for i in batch])
@@ -475,37 +487,56 @@ def _hist(rec, recipe: str, pairs) -> list[dict]:
     return [{**base, "exponent": int(e), "count": int(c)} for e, c in pairs]
 
 
+@dataclass(frozen=True)
+class Windowed:
+    """What ``_run`` reads in windows: records ``recs`` (one per item) of checkpoint ``ck``,
+    BF16 ones too with ``dense``. ``side(recs)``, when given, loads on the reader thread what
+    else a batch needs (the other checkpoint's stack, for question 2) and ``join(stack, side)``
+    forms ``per_batch``'s argument from the two."""
+
+    ck: object
+    recs: list
+    dense: bool = False
+    side: Callable | None = None
+    join: Callable | None = None
+
+
 def _run(ck, items: list, keyf, dev, plan: Plan, desc: str, progress: bool, load, per_batch,
-         windows: bool = False):
+         windows: Windowed | None = None):
     """Per record, in record order: (rows, hist) from ``per_batch(recs, loaded)``. With
-    ``windows`` and the window reader on ``dev``, the stored grids that lie in contiguous runs
-    are read in windows (one reader thread, front to back); ``load`` serves the rest."""
+    ``windows`` and the window reader on ``dev``, the records that lie in contiguous runs are
+    read in windows (one reader thread, each shard front to back); ``load`` serves the rest."""
     sizes = [r.shape[0] * r.shape[1] for r in items]
     rest = list(range(len(items)))
     units: list = []
     parts: dict[int, tuple] = {}
-    if windows and reader_for(dev) == "window":
-        units, rest, parts = window_plan(ck, items, keyf, plan)
+    if windows is not None and reader_for(dev) == "window":
+        units, rest, parts = window_plan(windows.ck, windows.recs, [keyf(r) for r in items],
+                                         plan, windows.dense)
     units += [[rest[j] for j in b] for b in
               plan_batches([keyf(items[i]) for i in rest], [sizes[i] for i in rest],
                            plan.batch_elements)]
     results: dict[int, tuple] = {}
 
     def load_unit(u):
-        if isinstance(u, Window):
-            return _load_window(ck, u, items, parts, dev)
-        return load([items[i] for i in u])
+        if not isinstance(u, Window):
+            return load([items[i] for i in u])
+        buf, glob = _load_window(windows.ck, u, windows.recs, parts, dev)
+        side = None if windows.side is None else \
+            [windows.side([items[i] for i in b]) for b in u.batches]
+        return buf, glob, side
 
     def compute(u, loaded):
-        if isinstance(u, Window):
-            buf, glob = loaded
-            for b in u.batches:
-                recs = [items[i] for i in b]
-                stack = _window_stack(ck, u, buf, glob, b, recs, parts, dev)
-                for i, res in zip(b, per_batch(recs, stack)):
-                    results[i] = res
-        else:
+        if not isinstance(u, Window):
             for i, res in zip(u, per_batch([items[i] for i in u], loaded)):
+                results[i] = res
+            return ()
+        buf, glob, side = loaded
+        for k, b in enumerate(u.batches):
+            got = _window_stack(windows.ck, u, buf, glob, b, [windows.recs[i] for i in b],
+                                parts, dev)
+            arg = got if side is None else windows.join(got, side[k])
+            for i, res in zip(b, per_batch([items[i] for i in b], arg)):
                 results[i] = res
         return ()
 
@@ -604,7 +635,8 @@ def candidate_results(ck, items, recipes: list[Recipe], dev, plan: Plan, progres
         return out
 
     return _run(ck, items, lambda r: _signature(ck, r), dev, plan, "candidate recipes", progress,
-                lambda recs: load_stack(ck, recs, dev), per_batch, windows=True)
+                lambda recs: load_stack(ck, recs, dev), per_batch,
+                windows=Windowed(ck, items, dense=True))
 
 
 def reference_results(ck, reference, items, label: Callable, dev, plan: Plan, progress: bool,
@@ -642,7 +674,12 @@ def reference_results(ck, reference, items, label: Callable, dev, plan: Plan, pr
     def key(rec):
         return (*_signature(ck, rec), _signature(reference, ref_rec(rec)))
 
-    return _run(ck, items, key, dev, plan, "stored vs reference", progress, load, per_batch)
+    # the reference (BF16, the larger side) is read in windows; each batch's stored grids are
+    # read per member on the reader thread alongside
+    win = Windowed(reference, [ref_rec(r) for r in items], dense=True,
+                   side=lambda recs: load_stack(ck, recs, dev), join=lambda ref, mine: (mine, ref))
+    return _run(ck, items, key, dev, plan, "stored vs reference", progress, load, per_batch,
+                windows=win)
 
 
 def stored_results(ck, items, recipes: list[Recipe], dev, plan: Plan, progress: bool,
@@ -697,7 +734,7 @@ def stored_results(ck, items, recipes: list[Recipe], dev, plan: Plan, progress: 
 
     return _run(ck, items, lambda r: _signature(ck, r), dev, plan, "stored grid vs recipes",
                 progress, lambda recs: load_stack(ck, recs, dev, want_grid_only=True), per_batch,
-                windows=True)
+                windows=Windowed(ck, items))  # grids only: dense weights are not read
 
 
 def _fused_members(grids: list[QuantizedTensor], recipe: Recipe) -> list[int]:
