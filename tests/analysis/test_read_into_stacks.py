@@ -352,3 +352,29 @@ def test_dense_window_stacks_equal_materialize(tmp_path):
         assert len(f32) == 1 and (f32[0] in rest) == (ck.spec(recs[f32[0]].name).codec is None)
         kinds = {(ck.spec(recs[i].name).codec is None) for w in windows for i in w.items}
         assert kinds == {ck.spec(recs[0].name).codec is None}
+
+
+@pytest.mark.parametrize("limit", [1 << 30, 3 * 96 * 64], ids=["whole", "threes"])
+def test_side_stacks_equal_load_stack(ck, limit, monkeypatch):
+    """Question 2's stored side next to a reference window: one span when the batches' parts
+    lie close together, per batch otherwise; the stacks are load_stack's either way."""
+    monkeypatch.setattr(fast, "READER", "preadv")
+    recs = [r for r in ck.expert_records() if fast._grid_codec(ck, r)]
+    sizes = [r.shape[0] * r.shape[1] for r in recs]
+    batches = fast.plan_batches([fast._signature(ck, r) for r in recs], sizes, limit)
+    spans = []
+    real = fast._load_window
+    monkeypatch.setattr(fast, "_load_window", lambda *a: spans.append(a[1]) or real(*a))
+    got = fast._side_stacks(ck, recs, batches, CPU)
+    for b, g in zip(batches, got, strict=True):
+        want = fast.load_stack(ck, [recs[i] for i in b], CPU)
+        assert _same_grid(g.grid, want.grid), [recs[i].key for i in b]
+    one_shard = all(fast._window_parts(ck, r) is not None for r in recs) and \
+        len(ck.index.files) == 1
+    assert len(spans) == (1 if one_shard else 0)
+    # two records far apart (first and last) with everything between left out: per batch
+    spans.clear()
+    far = [[0], [len(recs) - 1]]
+    for b, g in zip(far, fast._side_stacks(ck, recs, far, CPU), strict=True):
+        assert _same_grid(g.grid, fast.load_stack(ck, [recs[i] for i in b], CPU).grid)
+    assert not spans or len(recs) <= 3

@@ -1,18 +1,20 @@
 """The batched (and fused) paths of the three table questions: many experts per op.
 
 Records are grouped by what they are (stored codec, profile, shape), so same-shape expert
-projections of one checkpoint form stacks of at most ``batch_elements`` elements. A reader pool
-loads the stored parts of the next batches (codes and scales undecoded, or BF16 for weights
-stored in a codec ``workbench.formats`` does not model) and stages each stack on the device:
-on CUDA into a pinned host buffer and over an async copy on the reader's own stream, so disk
-reads, host-to-device copies and the math of the current batch overlap. Stored grids are read
-straight into their stack buffers (``ShardIndex.read_into``: one preadv per member and part,
-spread over a small pool of read threads, no intermediate tensor, no lock held over a copy);
-``WORKBENCH_ANALYSIS_READER=safetensors`` keeps the older path (``stored_grid`` per member,
-``torch.stack``, a copy into the pinned buffer); the default ``auto`` takes preadv on CUDA and
-the older path on CPU, as measured (see ``READER``). The math (decode,
-re-quantize, metrics, histograms) runs on the whole stack on the device (``batched.py``); only
-a few numbers per expert come back. At most ``ahead + 1`` batches are alive, which bounds host
+projections of one checkpoint form stacks of at most ``batch_elements`` elements. A reader
+loads the stored parts of the next stacks (codes and scales undecoded, or BF16 for weights
+stored in a codec ``workbench.formats`` does not model) and stages each stack on the device,
+so disk reads, host-to-device copies and the math of the current stack overlap. Three readers
+(``WORKBENCH_ANALYSIS_READER``, see ``READER``): ``window`` reads each shard front to back in
+large spans on one thread, copies a span to the device in one piece and cuts the stacks out of
+it there (the stacks are formed inside a span, so a pass reads the files once, in order);
+``preadv`` reads each member straight into its slice of a pinned stack buffer
+(``ShardIndex.read_into``, spread over a small pool of read threads); ``safetensors`` is the
+older path (``stored_grid`` per member, ``torch.stack``, a copy into the pinned buffer). The
+default ``auto`` takes the window reader on CUDA and the older path on CPU, as measured; the
+records a window cannot hold (strided rows, parts in two shards) go through preadv. The math
+(decode, re-quantize, metrics, histograms) runs on the whole stack on the device
+(``batched.py``); only a few numbers per expert come back. At most ``ahead + 1`` batches are alive, which bounds host
 and device memory.
 
 Results are returned per record in record order, so the tables (rows and scale histograms) are
@@ -44,13 +46,13 @@ CUDA_BATCH_ELEMENTS = 1 << 28  # 256M elements: a whole layer's experts per laun
 READER_ENV = "WORKBENCH_ANALYSIS_READER"
 READERS = ("auto", "window", "preadv", "safetensors")
 # read once: the benchmark runs each reader in its own process to compare them. "auto" is what
-# measured better per device. On the H200 host (jobs/gpu/issue20.sh, 15 GB MXFP4, one run) preadv
-# gave the same or shorter wall time (0.54-0.55x of the read vs 0.47-0.53x for stored grids vs
-# recipes), less than half the host CPU (26 vs 61 CPU-s) and 28 MB of host memory growth
-# instead of ~300 MB, with equal tables. On the 2-core CPU host no measurement favours either:
-# whole tables ran 4-5x slower with preadv on a loaded host in one session (cause not found),
-# faster for MXFP4 and slower for the other formats in another (docs/analysis.md), so CPU keeps
-# the older reader.
+# measured better per device. On the H200 host (jobs/gpu/issue20.sh, 15 GB checkpoints, readers
+# side by side in one run) the window reader gave 0.88-0.90x of the plain read for MXFP4 (warm
+# process) where preadv gave 0.64-0.65x, with half the host CPU and equal tables; preadv had
+# beaten the older reader there before (0.55 vs 0.47-0.53x, 26 vs 61 CPU-s, 28 vs ~300 MB). On
+# the 2-core CPU host the math sets the pace and no measurement favours a reader: whole tables
+# ran 4-5x slower with preadv on a loaded host in one session (cause not found), faster for MXFP4
+# and slower for the other formats in another (docs/analysis.md), so CPU keeps the older reader.
 READER = os.environ.get(READER_ENV, "auto")
 
 
@@ -490,9 +492,9 @@ def _hist(rec, recipe: str, pairs) -> list[dict]:
 @dataclass(frozen=True)
 class Windowed:
     """What ``_run`` reads in windows: records ``recs`` (one per item) of checkpoint ``ck``,
-    BF16 ones too with ``dense``. ``side(recs)``, when given, loads on the reader thread what
-    else a batch needs (the other checkpoint's stack, for question 2) and ``join(stack, side)``
-    forms ``per_batch``'s argument from the two."""
+    BF16 ones too with ``dense``. ``side(batches)``, when given, loads on the reader thread
+    what else each of a window's batches (item positions) needs (the other checkpoint's stack,
+    for question 2) and ``join(stack, side)`` forms ``per_batch``'s argument from the two."""
 
     ck: object
     recs: list
@@ -522,9 +524,7 @@ def _run(ck, items: list, keyf, dev, plan: Plan, desc: str, progress: bool, load
         if not isinstance(u, Window):
             return load([items[i] for i in u])
         buf, glob = _load_window(windows.ck, u, windows.recs, parts, dev)
-        side = None if windows.side is None else \
-            [windows.side([items[i] for i in b]) for b in u.batches]
-        return buf, glob, side
+        return buf, glob, None if windows.side is None else windows.side(u.batches)
 
     def compute(u, loaded):
         if not isinstance(u, Window):
@@ -674,12 +674,37 @@ def reference_results(ck, reference, items, label: Callable, dev, plan: Plan, pr
     def key(rec):
         return (*_signature(ck, rec), _signature(reference, ref_rec(rec)))
 
-    # the reference (BF16, the larger side) is read in windows; each batch's stored grids are
-    # read per member on the reader thread alongside
+    # the reference (BF16, the larger side) is read in windows; the stored grids of each
+    # window's batches are read alongside (_side_stacks)
     win = Windowed(reference, [ref_rec(r) for r in items], dense=True,
-                   side=lambda recs: load_stack(ck, recs, dev), join=lambda ref, mine: (mine, ref))
+                   side=lambda batches: _side_stacks(ck, items, batches, dev),
+                   join=lambda ref, mine: (mine, ref))
     return _run(ck, items, key, dev, plan, "stored vs reference", progress, load, per_batch,
                 windows=win)
+
+
+def _side_stacks(ck, items: list, batches: list[list[int]], dev: torch.device) -> list:
+    """The stacks of ``batches`` (positions in ``items``, records of ``ck``), read as one span
+    when their parts lie close together in one shard (at least half the span is theirs: a
+    stretch of one layer, as the reference's window is), else per batch (``load_stack``)."""
+    flat = [i for b in batches for i in b]
+    got = [_window_parts(ck, items[i]) for i in flat]
+    parts = {i: g[1] for i, g in zip(flat, got) if g is not None}
+
+    def stacks(b):  # the members' parts stack (the reference's key holds only our signature)
+        return len({(tuple((p.dtype, p.shape) for p in parts[i]), ck.spec(items[i].name).blocks4d)
+                    for i in b}) == 1
+
+    if len(parts) == len(flat) and len({g[0] for g in got}) == 1 and all(map(stacks, batches)):
+        lo = min(p.begin for g in got for p in g[1])
+        lo -= lo % WINDOW_ALIGN
+        hi = max(p.begin + p.nbytes for g in got for p in g[1])
+        if hi - lo <= 2 * sum(p.nbytes for g in got for p in g[1]):
+            w = Window(got[0][0], lo, hi, flat, batches)
+            buf, glob = _load_window(ck, w, items, parts, dev)
+            return [_window_stack(ck, w, buf, glob, b, [items[i] for i in b], parts, dev)
+                    for b in batches]
+    return [load_stack(ck, [items[i] for i in b], dev) for b in batches]
 
 
 def stored_results(ck, items, recipes: list[Recipe], dev, plan: Plan, progress: bool,
