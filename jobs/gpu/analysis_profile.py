@@ -11,11 +11,19 @@ Rows (``stored_vs_recipes`` with an MXFP4 recipe on the MXFP4 checkpoint of jobs
 - ``compute only``: one batch loaded once, its metrics computed again and again: the GPU side's
   own rate, as GB/s of checkpoint bytes the batch stands for.
 
+With ``--question reference`` (reference errors: the MXFP4 checkpoint against its BF16
+reference, a pair of ``--size-gb`` in all, the window reader): ``plain read`` of both; ``full``
+split as above, call 1 and call 2; ``loads only`` of the path's units (each BF16 reference span
+and, per span, the packed grids of its experts), of the reference spans alone and of the packed
+side alone: whether the reads or the math set the pace, and what alternating between the two
+checkpoints' files costs.
+
 Batch order: ``signature`` is the path's grouping (same-shape weights of the whole checkpoint
 together: all gate+up stacks of every layer, then all down stacks); ``layer`` groups per layer
 first, so reads move through the files front to back.
 
     python3 jobs/gpu/analysis_profile.py --size-gb 15 --out "$OUT"
+    python3 jobs/gpu/analysis_profile.py --question reference --size-gb 15 --out "$OUT"
 """
 
 from __future__ import annotations
@@ -48,8 +56,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default="/tmp/wb-analysis-profile")
     ap.add_argument("--out", default=".")
     ap.add_argument("--threads", default="8,16", help="read-thread counts for the loads-only rows")
+    ap.add_argument("--question", choices=("stored", "reference"), default="stored")
     args = ap.parse_args(argv)
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    if args.question == "reference":
+        return reference_profile(args)
 
     ba = _load("bench_analysis", HERE.parent / "bench_analysis.py")
     bc = ba._bench_checkpoint()
@@ -224,6 +235,114 @@ def main(argv=None) -> int:
                      f"{r.get('compute_s', '')} | {r.get('waiting_s', '')} |")
     (out / "analysis_profile.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    return 0
+
+
+def _write(rows: list, head: str, out: Path, name: str) -> None:
+    lines = [head,
+             "| pass | s | GB/s | vs read | compute s | waiting s |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['what']} | {r['seconds']} | {r.get('GB/s', '')} | "
+                     f"{r.get('vs_read', '')} | {r.get('compute_s', '')} | "
+                     f"{r.get('waiting_s', '')} |")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def reference_profile(args) -> int:
+    """The ``--question reference`` rows (see the module docstring)."""
+    ba = _load("bench_analysis", HERE.parent / "bench_analysis.py")
+    bc = ba._bench_checkpoint()
+    from workbench import analysis
+    from workbench.analysis import fast, tables
+    from workbench.checkpoint import open_checkpoint
+
+    fast.READER = "window"
+    shape = ba.Shape()
+    # a pair of size_gb: BF16 is 2 bytes an element, MXFP4 0.53
+    L = ba.layers_for("bf16", args.size_gb * 2 / 2.53, shape)
+    mine_path = ba.build("mxfp4", Path(args.dir) / f"mxfp4-{L}L", L, shape)
+    ref_path = ba.build("bf16", Path(args.dir) / f"bf16-{L}L", L, shape)
+    files = ba.shard_files(mine_path, ref_path)
+    nbytes = sum(f.stat().st_size for f in files)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = []
+
+    def row(what, secs, read_s=None, **extra):
+        r = {"what": what, "seconds": round(secs, 2), "GB/s": round(nbytes / secs / 1e9, 3),
+             **({} if read_s is None else {"vs_read": round(read_s / secs, 2)}), **extra}
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    bc.evict(files)
+    _, read_s = bc.sequential_read(files, "read pair")
+    row("plain read (both checkpoints)", read_s, read_s)
+
+    orig_pipeline = fast.pipeline
+    acc = {}
+
+    def timed_pipeline(batches, load, compute, **kw):
+        def timed_compute(b, loaded):
+            t = time.perf_counter()
+            out = list(compute(b, loaded))
+            sync()
+            acc["compute"] += time.perf_counter() - t
+            return out
+
+        t0 = time.perf_counter()
+        yield from orig_pipeline(batches, load, timed_compute, **kw)
+        acc["total"] += time.perf_counter() - t0
+
+    fast.pipeline = timed_pipeline
+    try:
+        for call in (1, 2):
+            acc.update(compute=0.0, total=0.0)
+            bc.evict(files)
+            ck, ref = open_checkpoint(mine_path), open_checkpoint(ref_path)
+            t0 = time.perf_counter()
+            t = analysis.reference_errors(ck, ref, kinds=("routed",), progress=False)
+            sync()
+            s = time.perf_counter() - t0
+            row(f"full [window], call {call}", s, read_s, compute_s=round(acc["compute"], 2),
+                waiting_s=round(acc["total"] - acc["compute"], 2), rows=len(t.experts))
+            ck.index.close()
+            ref.index.close()
+    finally:
+        fast.pipeline = orig_pipeline
+
+    def loads(which: str) -> None:
+        bc.evict(files)
+        ck, ref = open_checkpoint(mine_path), open_checkpoint(ref_path)
+        items = tables._records(ck, ("routed",))
+        refs = [ref.record(r.layer, r.expert, r.proj, r.kind) for r in items]
+        plan = fast.Plan.default(dev)
+        keys = [(*fast._signature(ck, r), fast._signature(ref, q)) for r, q in zip(items, refs)]
+        if which == "packed side":  # the packed grids alone, in the path's own spans
+            windows, _, parts = fast.window_plan(ck, items, keys, plan)
+        else:
+            windows, _, parts = fast.window_plan(ref, refs, keys, plan, dense=True)
+        t0 = time.perf_counter()
+        for w in windows:
+            if which == "packed side":
+                fast._load_window(ck, w, items, parts, dev)
+            else:
+                fast._load_window(ref, w, refs, parts, dev)
+                if which == "both":
+                    fast._side_stacks(ck, items, w.batches, dev)
+        sync()
+        row(f"loads only [{which}], {len(windows)} spans", time.perf_counter() - t0, read_s)
+
+    for which in ("both", "reference spans", "packed side"):
+        loads(which)
+    gpu = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    _write(rows, f"machine: {os.cpu_count()} cores, {gpu}; torch {torch.__version__}; pair "
+           f"{nbytes / 1e9:.2f} GB ({L} layers MXFP4 + BF16), {len(files)} shards; reference "
+           "errors, window reader", Path(args.out), "analysis_profile_reference.md")
     return 0
 
 

@@ -22,6 +22,8 @@
 #   SIZE_GB=6 bash jobs/gpu/issue20.sh        # smaller, if the 540 s of a call are short
 #   STAGES=profile bash jobs/gpu/issue20.sh   # where a pass's time goes (jobs/gpu/analysis_profile.py,
 #                                             # about 4 minutes at 15 GB)  -> $OUT/analysis_profile.md
+#   STAGES=profile-reference bash jobs/gpu/issue20.sh  # the same for reference errors (~3 minutes)
+#                                             # -> $OUT/analysis_profile_reference.md
 # Time, from the 2026-12-03 run (15.1 GB, read 1.27 GB/s, calls of 17-30 s): ~15 s to write, ~10 s
 # to read, 2 questions x 2 readers x 2 calls of <= 30 s: about 5 minutes; the bench writes its
 # table after each format, so a cut run still leaves it.
@@ -63,7 +65,11 @@ if [[ $STAGES == *reference* ]]; then
     --formats mxfp4 --questions reference_errors --readers "$READERS" --out "$OUT/reference" \
     2>&1 | tee "$OUT/reference/bench_analysis.log"
 fi
-if [[ $STAGES == *profile* ]]; then
+if [[ $STAGES == *profile-reference* ]]; then
+  stamp "profile of reference errors ($SIZE_GB GB pair)"
+  timeout 440 "$PY" jobs/gpu/analysis_profile.py --question reference --size-gb "$SIZE_GB" \
+    --out "$OUT" 2>&1 | grep -av $'\r' | tee "$OUT/analysis_profile_reference.log" | tail -12
+elif [[ $STAGES == *profile* ]]; then
   stamp "profile ($SIZE_GB GB)"
   timeout 440 "$PY" jobs/gpu/analysis_profile.py --size-gb "$SIZE_GB" --out "$OUT" 2>&1 \
     | grep -av $'\r' | tee "$OUT/analysis_profile.log" | tail -20
