@@ -333,7 +333,7 @@ def reference_profile(args) -> int:
             else:
                 fast._load_window(ref, w, refs, parts, dev)
                 if which == "both":
-                    fast._side_stacks(ck, items, w.batches, dev)
+                    fast._side_stacks(ck, items, w.batches, dev, plan.window_bytes)
         sync()
         row(f"loads only [{which}], {len(windows)} spans", time.perf_counter() - t0, read_s)
 

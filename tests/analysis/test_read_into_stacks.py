@@ -365,7 +365,7 @@ def test_side_stacks_equal_load_stack(ck, limit, monkeypatch):
     spans = []
     real = fast._load_window
     monkeypatch.setattr(fast, "_load_window", lambda *a: spans.append(a[1]) or real(*a))
-    got = fast._side_stacks(ck, recs, batches, CPU)
+    got = fast._side_stacks(ck, recs, batches, CPU, 1 << 30)
     for b, g in zip(batches, got, strict=True):
         want = fast.load_stack(ck, [recs[i] for i in b], CPU)
         assert _same_grid(g.grid, want.grid), [recs[i].key for i in b]
@@ -375,6 +375,11 @@ def test_side_stacks_equal_load_stack(ck, limit, monkeypatch):
     # two records far apart (first and last) with everything between left out: per batch
     spans.clear()
     far = [[0], [len(recs) - 1]]
-    for b, g in zip(far, fast._side_stacks(ck, recs, far, CPU), strict=True):
+    for b, g in zip(far, fast._side_stacks(ck, recs, far, CPU, 1 << 30), strict=True):
         assert _same_grid(g.grid, fast.load_stack(ck, [recs[i] for i in b], CPU).grid)
     assert not spans or len(recs) <= 3
+    # a span is never larger than the window limit
+    spans.clear()
+    for b, g in zip(batches, fast._side_stacks(ck, recs, batches, CPU, 64), strict=True):
+        assert _same_grid(g.grid, fast.load_stack(ck, [recs[i] for i in b], CPU).grid)
+    assert not spans

@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -351,7 +352,7 @@ class Window:
     """A span ``[begin, end)`` of one shard read front to back, the items (positions) whose
     parts lie in it, and those items cut into stacks."""
 
-    file: object  # Path
+    file: Path
     begin: int
     end: int
     items: list[int]
@@ -677,16 +678,19 @@ def reference_results(ck, reference, items, label: Callable, dev, plan: Plan, pr
     # the reference (BF16, the larger side) is read in windows; the stored grids of each
     # window's batches are read alongside (_side_stacks)
     win = Windowed(reference, [ref_rec(r) for r in items], dense=True,
-                   side=lambda batches: _side_stacks(ck, items, batches, dev),
+                   side=lambda batches: _side_stacks(ck, items, batches, dev,
+                                                     plan.window_bytes),
                    join=lambda ref, mine: (mine, ref))
     return _run(ck, items, key, dev, plan, "stored vs reference", progress, load, per_batch,
                 windows=win)
 
 
-def _side_stacks(ck, items: list, batches: list[list[int]], dev: torch.device) -> list:
+def _side_stacks(ck, items: list, batches: list[list[int]], dev: torch.device,
+                 window_bytes: int) -> list:
     """The stacks of ``batches`` (positions in ``items``, records of ``ck``), read as one span
     when their parts lie close together in one shard (at least half the span is theirs: a
-    stretch of one layer, as the reference's window is), else per batch (``load_stack``)."""
+    stretch of one layer, as the reference's window is; at most ``window_bytes``), else per
+    batch (``load_stack``)."""
     flat = [i for b in batches for i in b]
     got = [_window_parts(ck, items[i]) for i in flat]
     parts = {i: g[1] for i, g in zip(flat, got) if g is not None}
@@ -699,7 +703,7 @@ def _side_stacks(ck, items: list, batches: list[list[int]], dev: torch.device) -
         lo = min(p.begin for g in got for p in g[1])
         lo -= lo % WINDOW_ALIGN
         hi = max(p.begin + p.nbytes for g in got for p in g[1])
-        if hi - lo <= 2 * sum(p.nbytes for g in got for p in g[1]):
+        if hi - lo <= min(window_bytes, 2 * sum(p.nbytes for g in got for p in g[1])):
             w = Window(got[0][0], lo, hi, flat, batches)
             buf, glob = _load_window(ck, w, items, parts, dev)
             return [_window_stack(ck, w, buf, glob, b, [items[i] for i in b], parts, dev)
