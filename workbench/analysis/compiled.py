@@ -33,7 +33,6 @@ logged once. Whether this pass is tried at all is ``paths.choose_path``'s decisi
 from __future__ import annotations
 
 import logging
-import time
 import types
 from dataclasses import dataclass
 
@@ -42,7 +41,7 @@ import torch
 from workbench.formats import QuantizedTensor, Recipe, dequantize, format_spec
 from workbench.formats.mx_profiles import PROFILES as MX_PROFILES
 
-from . import batched
+from . import batched, graphs
 from .metrics import at_max_code, count_ratio, metrics_from_sums
 
 _log = logging.getLogger(__name__)
@@ -189,30 +188,15 @@ def _own_code(fn):
 
 
 def _run(key: tuple, build, args: list) -> tuple:
-    fn = _COMPILED.get(key)
-    if fn is None:
-        # emulate_precision_casts: a ``.to(bfloat16)`` inside the graph rounds, as in eager.
-        # Without it Inductor keeps the fp32 value of an NVFP4 decode (x * s / g is no bf16
-        # number) and the re-quantized weights are not the decoded checkpoint's.
-        fn = _COMPILED[key] = torch.compile(_own_code(build()), fullgraph=True, dynamic=False,
-                                            options={"emulate_precision_casts": True})
-    for a in args:
-        if a is not None and a.dim() and a.shape[0] > 1:
-            torch._dynamo.maybe_mark_dynamic(a, 0)  # one graph for any number of experts
-    if key in COMPILE_SECONDS:
-        return fn(*args)
-    t0 = time.perf_counter()
-    try:
-        out = fn(*args)
-    except Exception as e:  # whatever stops compiling, the batched path still works
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        _BROKEN.append(f"{type(e).__name__}: {first}"[:300])
-        _log.warning("compiled analysis unavailable, using the batched path: %s", _BROKEN[0])
-        raise _Unavailable(_BROKEN[0]) from e
-    COMPILE_SECONDS[key] = secs = time.perf_counter() - t0
-    _log.info("compiled analysis pass %s ready in %.1f s (Inductor C++, cached on disk)",
-              key[:3], secs)
-    return out
+    # emulate_precision_casts: a ``.to(bfloat16)`` inside the graph rounds, as in eager.
+    # Without it Inductor keeps the fp32 value of an NVFP4 decode (x * s / g is no bf16
+    # number) and the re-quantized weights are not the decoded checkpoint's.
+    fn = graphs.compiled(_COMPILED, key, lambda: _own_code(build()),
+                         emulate_precision_casts=True)
+    graphs.mark_leading_dynamic(args)  # one graph for any number of experts
+    return graphs.first_call_timed(fn, args, key, COMPILE_SECONDS, _BROKEN,
+                                   what="compiled analysis", label=key[:3],
+                                   unavailable=_Unavailable, log=_log)
 
 
 def finite_reason(w: torch.Tensor | None, stored: QuantizedTensor | None) -> str | None:

@@ -40,7 +40,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +50,7 @@ from workbench.formats.mx_profiles import PROFILES, cached_lut, scale_byte
 # fused_fp8 / fused_nvfp4 use this module's helpers (run_graph, pack_blocks, round_e2m1) and
 # this module dispatches to them: a cycle, which works at module top because neither side
 # touches the other's names until a call
-from . import fused_fp8, fused_nvfp4
+from . import fused_fp8, fused_nvfp4, graphs
 from .metrics import count_ratio, e8m0_exponents, metrics_from_sums
 
 _log = logging.getLogger(__name__)
@@ -147,25 +146,18 @@ class _Unavailable(Exception):
 
 
 def _run(ties: str, *args):
-    fn = _COMPILED.get(ties)
-    if fn is None:
-        fn = _COMPILED[ties] = torch.compile(_fused(ties), fullgraph=True, dynamic=False)
-    torch._dynamo.maybe_mark_dynamic(args[0], 0)  # one graph for any number of chunks
-    torch._dynamo.maybe_mark_dynamic(args[1], 0)
-    if ties in COMPILE_SECONDS:
-        return fn(*args)
-    t0 = time.perf_counter()
-    try:
-        out = fn(*args)
-    except Exception as e:  # whatever stops compiling, the reference path still works
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        _BROKEN.append(f"{type(e).__name__}: {first}"[:300])
-        _log.warning("fused analysis unavailable, using the batched path: %s", _BROKEN[0])
-        raise _Unavailable(_BROKEN[0]) from e
-    COMPILE_SECONDS[ties] = secs = time.perf_counter() - t0
-    _log.info("fused analysis pass (ties %s) ready in %.1f s (Inductor C++, cached on disk)",
-              ties, secs)
-    return out
+    fn = graphs.compiled(_COMPILED, ties, lambda: _fused(ties))
+    graphs.mark_leading_dynamic(args[:2])  # one graph for any number of chunks
+    return graphs.first_call_timed(fn, args, ties, COMPILE_SECONDS, _BROKEN,
+                                   what="fused analysis", label=f"(ties {ties})",
+                                   unavailable=_Unavailable, log=_log)
+
+
+# Inductor stores a pointwise result to memory (and re-reads it in one loop per reduction) once
+# its expression exceeds ~50 ops or a few readers: the closed forms are one loop only when every
+# element value stays in registers (10x faster, measured)
+_ONE_LOOP = {"realize_opcount_threshold": 1 << 20, "realize_reads_threshold": 1 << 20,
+             "realize_acc_reads_threshold": 1 << 20}
 
 
 def run_graph(key: tuple, build, args: list, *, bf16_casts: bool = False):
@@ -174,32 +166,12 @@ def run_graph(key: tuple, build, args: list, *, bf16_casts: bool = False):
     ``fused_nvfp4``); a failed compile raises ``_Unavailable`` and turns every fused pass off
     for the process. ``bf16_casts``: a ``.to(bfloat16)`` in the graph rounds, as in eager
     (Inductor's ``emulate_precision_casts``)."""
-    fn = _COMPILED.get(key)
-    if fn is None:
-        # Inductor stores a pointwise result to memory (and re-reads it in one loop per
-        # reduction) once its expression exceeds ~50 ops or a few readers: these passes are
-        # one loop only when every element value stays in registers (10x faster, measured)
-        opts = {"realize_opcount_threshold": 1 << 20, "realize_reads_threshold": 1 << 20,
-                "realize_acc_reads_threshold": 1 << 20}
-        if bf16_casts:
-            opts["emulate_precision_casts"] = True
-        fn = _COMPILED[key] = torch.compile(build(), fullgraph=True, dynamic=False, options=opts)
-    for a in args:
-        if a.dim() and a.shape[0] > 1:
-            torch._dynamo.maybe_mark_dynamic(a, 0)  # one graph for any number of chunks
-    if key in COMPILE_SECONDS:
-        return fn(*args)
-    t0 = time.perf_counter()
-    try:
-        out = fn(*args)
-    except Exception as e:  # whatever stops compiling, the reference path still works
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        _BROKEN.append(f"{type(e).__name__}: {first}"[:300])
-        _log.warning("fused analysis unavailable, using the batched path: %s", _BROKEN[0])
-        raise _Unavailable(_BROKEN[0]) from e
-    COMPILE_SECONDS[key] = secs = time.perf_counter() - t0
-    _log.info("fused analysis pass %s ready in %.1f s (Inductor C++, cached on disk)", key, secs)
-    return out
+    opts = {**_ONE_LOOP, **({"emulate_precision_casts": True} if bf16_casts else {})}
+    fn = graphs.compiled(_COMPILED, key, build, **opts)
+    graphs.mark_leading_dynamic(args)
+    return graphs.first_call_timed(fn, args, key, COMPILE_SECONDS, _BROKEN,
+                                   what="fused analysis", label=key,
+                                   unavailable=_Unavailable, log=_log)
 
 
 def pack_blocks(grids: list[QuantizedTensor], width: int, chunk: int, pad_byte: int, *,
