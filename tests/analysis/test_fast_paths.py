@@ -251,3 +251,15 @@ def test_path_choice_is_explicit_logged_and_overridable(tmp_path, monkeypatch, c
         paths.choose_path("auto", torch.device("cpu"), 1, "q")
     with pytest.raises(ValueError, match="path must be one of"):
         stored_vs_recipes(mx, ["mxfp4"], progress=False, path="quick")
+
+
+def test_reference_lacking_a_weight_is_named(tmp_path):
+    """Question 2 with a reference that lacks one of the checkpoint's weights: a ValueError
+    naming the reference and the weight, on every path."""
+    sd = moe_weights(layers=2, experts=4, hidden=96, ffn=64)
+    mx = open_checkpoint(write_mxfp4(tmp_path / "mx", sd, "mxfp4:ceil"))
+    sd.pop("model.layers.1.mlp.experts.2.down_proj.weight")
+    ref = open_checkpoint(write_dense(tmp_path / "bf16", sd))
+    for path in ("reference", "batched"):
+        with pytest.raises(ValueError, match=r"bf16 lacks 1 weights .*'L1\.routed\.E2\.down'"):
+            reference_errors(mx, ref, progress=False, path=path)
