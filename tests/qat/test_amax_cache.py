@@ -94,3 +94,34 @@ def test_entries_go_with_their_parameter():
     assert key in ste._AMAX
     del w
     assert key not in ste._AMAX
+
+
+def test_a_seeded_amax_is_served_for_that_version_only():
+    r = parse_recipe("nvfp4:torchao")
+    w = _stack(seed=6)
+    assert not ste.amax_wanted(w)
+    exact = ste.fake_quant_ste(w, r, per_leading=True)
+    assert ste.amax_wanted(w)  # the writer of the next version may produce it
+    with torch.no_grad():
+        w.mul_(0.5)
+    # a seed that is not the exact amax shows whether the next fake quantization used it
+    wrong = w.detach().abs().amax(dim=(-2, -1), keepdim=True).float() * 3  # not a power of two: those leave the grid as it is
+    ste.seed_amax(w, wrong)
+    assert ste.expert_amax(w) is wrong
+    served = ste.fake_quant_ste(w, r, per_leading=True)
+    assert torch.equal(served, fake_quantize(w.detach(), r, global_amax=wrong))
+    assert not torch.equal(served, _per_expert_reference(w, r))
+    with torch.no_grad():
+        w.mul_(2.0)  # the next version: the seed is stale and not served
+    assert torch.equal(ste.fake_quant_ste(w, r, per_leading=True), _per_expert_reference(w, r))
+    assert torch.equal(exact, _per_expert_reference(w, r))
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(5, 1), torch.zeros(5, 1, 1, dtype=torch.float64),
+                                 torch.zeros(4, 1, 1)])
+def test_seed_amax_rejects_a_misshapen_amax(bad):
+    w = _stack(seed=7)
+    with pytest.raises(ValueError, match="float32 of shape \\[5, 1, 1\\]"):
+        ste.seed_amax(w, bad)
+    with pytest.raises(TypeError, match="nn.Parameter"):
+        ste.seed_amax(w.detach(), torch.zeros(5, 1, 1))

@@ -83,15 +83,45 @@ def expert_amax(w: torch.Tensor, fast=None) -> torch.Tensor:
     sig = _signature(w)
     if sig is None:
         return _compute_amax(w, fast)
-    key = id(w)
-    hit = _AMAX.get(key)
+    hit = _AMAX.get(id(w))
     if hit is not None and hit[0]() is w and hit[1] == sig:
         return hit[2]
     amax = _compute_amax(w, fast)
+    _store(w, sig, amax)
+    return amax
+
+
+def _store(w: nn.Parameter, sig: tuple, amax: torch.Tensor) -> None:
+    key = id(w)
+    hit = _AMAX.get(key)
     if hit is None or hit[0]() is not w:
         weakref.finalize(w, _AMAX.pop, key, None)
     _AMAX[key] = (weakref.ref(w), sig, amax)
-    return amax
+
+
+def amax_wanted(w: torch.Tensor) -> bool:
+    """Whether the per-expert amax of this Parameter has been asked for (by an NVFP4 weight fake
+    quantization), whatever version it was computed for: the writer of its next version (the
+    optimizer) may then produce the amax with the write and `seed_amax` it."""
+    hit = _AMAX.get(id(w))
+    return hit is not None and hit[0]() is w
+
+
+def seed_amax(w: nn.Parameter, amax: torch.Tensor) -> None:
+    """Record ``amax`` as the per-expert amax of ``w``'s current version, so the next fake
+    quantization skips its amax pass. The caller vouches that it is exact: bit-equal to
+    ``w.abs().amax(dim=(-2, -1), keepdim=True).float()`` (NaN propagating) for the values ``w``
+    holds now, its write already counted by the version counter."""
+    if not isinstance(w, nn.Parameter):
+        raise TypeError(f"seed_amax takes an nn.Parameter, got {type(w).__name__}")
+    want = (w.shape[0],) + (1,) * (w.dim() - 1)
+    if w.dim() < 2 or tuple(amax.shape) != want or amax.dtype != torch.float32 \
+            or amax.device != w.device:
+        raise ValueError(f"seed_amax: amax must be float32 of shape {list(want)} on {w.device}, "
+                         f"got {amax.dtype} {list(amax.shape)} on {amax.device}")
+    sig = _signature(w)
+    if sig is not None:
+        _store(w, sig, amax)
 
 
 def clear_amax_cache() -> None:
