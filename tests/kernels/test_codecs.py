@@ -142,6 +142,28 @@ def test_fake_quantize_experts_equals_amax_then_quantize(profile, device, monkey
         K.fake_quantize_experts(y[0, 0].to(device), "nvfp4")
 
 
+@pytest.mark.parametrize("fmt,profile", CORE, ids=[f"{f}:{p}" for f, p in CORE])
+def test_out_dtype_is_one_rounding_of_the_same_values(fmt, profile, device):
+    # the fp32 fake quantization of x (widened), rounded once to out_dtype: an fp32 master
+    # fake-quantized straight into bf16 equals the fp32 result cast (the autocast GEMM's
+    # operand); a bf16 input written as fp32 keeps NVFP4's unrounded values
+    x32 = torch.cat([gaussian((2, 16, 256), dtype=torch.float32, seed=21),
+                     specials(32, 256, torch.float32, seed=22).view(2, 16, 256)])
+    x16 = gaussian((2, 16, 256), seed=23)
+    for x, out in ((x32, torch.bfloat16), (x16, torch.float32)):
+        want = F.fake_quantize(x.float(), fmt, profile).to(out)
+        got = K.fake_quantize(x.to(device), fmt, profile, out_dtype=out).cpu()
+        assert_same_bits(got, want, f"{fmt}:{profile} {x.dtype} -> {out}")
+    if fmt == "nvfp4":  # the per-expert amax path
+        fin = x32[:2]
+        amax = fin.abs().amax(dim=(-2, -1), keepdim=True).float()
+        want = F.fake_quantize(fin, fmt, profile, global_amax=amax).to(torch.bfloat16)
+        got = K.fake_quantize_experts(fin.to(device), fmt, profile, out_dtype=torch.bfloat16)
+        assert_same_bits(got.cpu(), want, f"{fmt}:{profile} experts -> bf16")
+    with pytest.raises(TypeError, match="bf16/fp16/fp32"):
+        K.fake_quantize(x16.to(device), fmt, profile, out_dtype=torch.float64)
+
+
 def test_global_amax_matches_torch(device):
     x = specials(6, 256, with_nan=False).reshape(3, 2, 256)
     x[1, 0, 3] = float("nan")

@@ -101,3 +101,38 @@ def test_expert_layer_never_waits_for_the_host(recipe):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(y.detach(), ref)
+
+
+@pytest.mark.parametrize("weight,act", [("nvfp4", None), ("nvfp4", "mxfp8_e4m3"),
+                                        ("mxfp4", "mxfp8_e4m3")])
+def test_fp32_masters_under_autocast_are_fake_quantized_into_bf16(weight, act, monkeypatch):
+    """The trainer's case (fp32 masters, bf16 autocast): the kernels write the GEMM's bf16
+    operands themselves, and output and gradients equal the fp32 fake quantization followed by
+    autocast's cast (the path without out_dtype)."""
+    from workbench.qat import grouped as qg
+    from workbench.qat import ste
+
+    torch.manual_seed(3)
+    E, D, F, n = 4, 256, 128, 64
+    x0 = torch.randn(E * n, D, device="cuda")
+    w0 = torch.randn(E, F, D, device="cuda") * torch.logspace(-1, 1, E, device="cuda")[:, None, None]
+    offs = torch.arange(1, E + 1, device="cuda", dtype=torch.int32) * n
+
+    def run():
+        ste.clear_amax_cache()
+        x, w = x0.clone().requires_grad_(), torch.nn.Parameter(w0.clone())
+        outs = []
+        h = ste.register_fake_quant_hook(lambda call, t: outs.append(call()) or outs[-1])
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = qg.grouped_mm(x, w, offs, weight=weight, act=act, end=E * n)
+            y.float().square().sum().backward()
+        finally:
+            h.remove()
+        return y, x.grad, w.grad, [o.dtype for o in outs]
+
+    y, gx, gw, fused = run()
+    monkeypatch.setattr(qg, "_narrowing", lambda t, dt: None)
+    y_ref, gx_ref, gw_ref, plain_dt = run()
+    assert set(fused) == {torch.bfloat16} and set(plain_dt) == {torch.float32}
+    assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref) and torch.equal(gw, gw_ref)

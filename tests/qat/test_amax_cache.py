@@ -125,3 +125,17 @@ def test_seed_amax_rejects_a_misshapen_amax(bad):
         ste.seed_amax(w, bad)
     with pytest.raises(TypeError, match="nn.Parameter"):
         ste.seed_amax(w.detach(), torch.zeros(5, 1, 1))
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4:torchao", "mxfp4", "mxfp8_e4m3"])
+def test_out_dtype_narrows_once_and_gives_the_gradient_back_in_fp32(recipe):
+    r = parse_recipe(recipe)
+    w = _stack(seed=8)
+    got = ste.fake_quant_ste(w, r, per_leading=True, out_dtype=torch.bfloat16)
+    want = ste.fake_quant_reference(w, r, per_leading=True)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
+    g = torch.randn(got.shape, dtype=torch.bfloat16)
+    got.backward(g)
+    assert w.grad.dtype == torch.float32 and torch.equal(w.grad, g.float())
+    with pytest.raises(ValueError, match="narrows fp32"):
+        ste.fake_quant_ste(w.detach().bfloat16(), r, out_dtype=torch.float32)

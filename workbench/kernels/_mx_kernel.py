@@ -78,7 +78,8 @@ def mx_kernel(x_ptr, out_ptr, scale_ptr, enc_lut_ptr, dec_lut_ptr, n_blocks,
               NB: tl.constexpr, ELEM: tl.constexpr, RULE: tl.constexpr, EMAX: tl.constexpr,
               MANT_BITS: tl.constexpr, MAX_MANT: tl.constexpr, ELEM_MAX: tl.constexpr,
               INF_BYTE: tl.constexpr, FAKE: tl.constexpr, BF16_BITS: tl.constexpr,
-              HW: tl.constexpr):
+              HW: tl.constexpr, OUT_BF16: tl.constexpr):
+    # BF16_BITS: the input is bf16; OUT_BF16: the fake-quantized output is (see nvfp4_kernel)
     BLOCK: tl.constexpr = 32
     pid = tl.program_id(0).to(tl.int64)
     blk = pid * NB + tl.arange(0, NB)
@@ -102,7 +103,7 @@ def mx_kernel(x_ptr, out_ptr, scale_ptr, enc_lut_ptr, dec_lut_ptr, n_blocks,
                 q = e2m1_round_value(v)
             else:
                 q = _fp8(v, ELEM, ELEM_MAX, HW)
-            store_rounded(out_ptr + idx, q * ds, mask, BF16_BITS, HW)
+            store_rounded(out_ptr + idx, q * ds, mask, OUT_BF16, HW)
         else:
             if ELEM == E2M1:
                 vbits = x86_mul_nan_bits(bits_of(v), x, mult)
@@ -111,7 +112,7 @@ def mx_kernel(x_ptr, out_ptr, scale_ptr, enc_lut_ptr, dec_lut_ptr, n_blocks,
                 q = e2m1_value(code)
             else:
                 q = _fp8(v, ELEM, ELEM_MAX, HW)
-            store_rounded(out_ptr + idx, q * ds, mask, BF16_BITS, HW)
+            store_rounded(out_ptr + idx, q * ds, mask, OUT_BF16, HW)
     else:
         vbits = x86_mul_nan_bits(bits_of(v), x, mult)
         if ELEM == E2M1:

@@ -60,9 +60,11 @@ def amax_kernel(x_ptr, amax_bits_ptr, n_per_expert, BLOCK: tl.constexpr,
 @triton.jit
 def nvfp4_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, n_blocks, blocks_per_expert,
                  NB: tl.constexpr, PROFILE: tl.constexpr, FAKE: tl.constexpr,
-                 BF16_BITS: tl.constexpr, HW: tl.constexpr, UNIFORM: tl.constexpr):
+                 BF16_BITS: tl.constexpr, HW: tl.constexpr, UNIFORM: tl.constexpr,
+                 OUT_BF16: tl.constexpr):
     """UNIFORM: every program's blocks share one expert (so its global scalars are computed
-    once per program)."""
+    once per program). BF16_BITS: the input is bf16; OUT_BF16: the fake-quantized output is
+    (which may differ from the input's dtype: an fp32 master written as the bf16 the GEMM reads)."""
     BLOCK: tl.constexpr = 16
     blk0 = tl.program_id(0).to(tl.int64) * NB
     blk = blk0 + tl.arange(0, NB)
@@ -91,7 +93,7 @@ def nvfp4_kernel(x_ptr, out_ptr, scale_ptr, amax_ptr, n_blocks, blocks_per_exper
         else:
             sf, f, dec = _chain_exact(m, bmax, amax, ga, gb, gc, PROFILE)
             y = e2m1_value(_codes(x, x * f[:, None], f, PROFILE)) * dec[:, None]
-        store_rounded(out_ptr + idx, y, mask, BF16_BITS, HW)
+        store_rounded(out_ptr + idx, y, mask, OUT_BF16, HW)
     else:
         sf, f, dec = _chain_exact(m, bmax, amax, ga, gb, gc, PROFILE)
         code = _codes(x, x * f[:, None], f, PROFILE)

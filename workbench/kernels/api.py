@@ -97,7 +97,15 @@ def _check(x: torch.Tensor, fmt: str, profile: str | None):
     return recipe, spec
 
 
-def _run_mx(x, recipe, spec, fake: bool):
+def _out_dtype(x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    if out_dtype is None:
+        return x.dtype
+    if out_dtype not in _FLOATS:
+        raise TypeError(f"fake quantization writes bf16/fp16/fp32, not {out_dtype}")
+    return out_dtype
+
+
+def _run_mx(x, recipe, spec, fake: bool, out_dtype: torch.dtype | None = None):
     mxk, _ = _triton()
     prof = MX_PROFILES[recipe.profile]
     x = x.contiguous()
@@ -107,7 +115,7 @@ def _run_mx(x, recipe, spec, fake: bool):
     dec = cached_lut("decode", prof.name, dev, torch.float32)
     elem = {"e2m1": 0, "e4m3": 1, "e5m2": 2}[spec.element]
     if fake:
-        out, scale = torch.empty_like(x), x  # scale_ptr unused
+        out, scale = torch.empty_like(x, dtype=_out_dtype(x, out_dtype)), x  # scale_ptr unused
     else:
         shape = (*x.shape[:-1], x.shape[-1] // 2) if spec.packed else tuple(x.shape)
         out = torch.empty(shape, dtype=spec.elem_dtype, device=x.device)
@@ -120,7 +128,8 @@ def _run_mx(x, recipe, spec, fake: bool):
         _bits(x), _bits(out), scale, enc, dec, n_blocks, NB=nb, ELEM=elem, RULE=_MX_RULES[prof.scale_rule],
         EMAX=spec.elem_emax, MANT_BITS=spec.elem_mantissa_bits, MAX_MANT=max_mant,
         ELEM_MAX=spec.elem_max, INF_BYTE=-1 if prof.inf_byte is None else prof.inf_byte,
-        FAKE=fake, BF16_BITS=x.dtype == torch.bfloat16, HW=not _interpret(), num_warps=4)
+        FAKE=fake, BF16_BITS=x.dtype == torch.bfloat16, HW=not _interpret(),
+        OUT_BF16=out.dtype == torch.bfloat16, num_warps=4)
     return out, scale
 
 
@@ -168,10 +177,10 @@ def _launch_nvfp4(x, out, scale, amax_flat, recipe, fake: bool, nb: int | None =
         _bits(x), _bits(out), scale, amax_flat, n_blocks, bpe, NB=nb,
         PROFILE={"torchao": 0, "te": 1}[recipe.profile], FAKE=fake,
         BF16_BITS=x.dtype == torch.bfloat16, HW=not _interpret(), UNIFORM=uniform,
-        num_warps=num_warps)
+        OUT_BF16=out.dtype == torch.bfloat16, num_warps=num_warps)
 
 
-def _run_nvfp4(x, recipe, global_amax_arg, fake: bool):
+def _run_nvfp4(x, recipe, global_amax_arg, fake: bool, out_dtype: torch.dtype | None = None):
     x = x.contiguous()
     if x.numel() == 0:
         raise ValueError(f"cannot quantize an empty tensor of shape {list(x.shape)}")
@@ -184,7 +193,7 @@ def _run_nvfp4(x, recipe, global_amax_arg, fake: bool):
             raise ValueError(f"global_amax must be a scalar or shape {list(per_expert)} for an "
                              f"input of shape {list(x.shape)}, got shape {list(amax.shape)}")
     if fake:
-        out, scale = torch.empty_like(x), x  # scale_ptr unused
+        out, scale = torch.empty_like(x, dtype=_out_dtype(x, out_dtype)), x  # scale_ptr unused
     else:
         out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8, device=x.device)
         scale = torch.empty((*x.shape[:-1], x.shape[-1] // 16), dtype=torch.float8_e4m3fn,
@@ -193,7 +202,8 @@ def _run_nvfp4(x, recipe, global_amax_arg, fake: bool):
     return out, scale, amax
 
 
-def fake_quantize_experts(x: torch.Tensor, fmt, profile: str | None = None) -> torch.Tensor:
+def fake_quantize_experts(x: torch.Tensor, fmt, profile: str | None = None, *,
+                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Fake quantization of an expert stack ``[E, ...]`` with NVFP4's global scale taken per
     expert (``global_amax = x.abs().amax(dim=(-2, -1))``, NaN propagating): the QAT weight
     path. Other formats have no global scale and equal ``fake_quantize``.
@@ -204,12 +214,12 @@ def fake_quantize_experts(x: torch.Tensor, fmt, profile: str | None = None) -> t
     tiles (slower: tiles wait on amax chunks in flight, and 50 MB experts miss L2 anyway)."""
     recipe, spec = _check(x, fmt, profile)
     if spec.scale == "e8m0":
-        return _run_mx(x, recipe, spec, fake=True)[0]
+        return _run_mx(x, recipe, spec, fake=True, out_dtype=out_dtype)[0]
     if x.dim() < 2 or x.numel() == 0:
         raise ValueError(f"fake_quantize_experts expects a non-empty [E, ...] stack, got shape "
                          f"{list(x.shape)}")
     amax = global_amax(x, per_leading=True, ignore_nan=False)
-    return _run_nvfp4(x, recipe, amax, fake=True)[0]
+    return _run_nvfp4(x, recipe, amax, fake=True, out_dtype=out_dtype)[0]
 
 
 def quantize(x: torch.Tensor, fmt, profile: str | None = None, *,
@@ -235,10 +245,17 @@ def quantize(x: torch.Tensor, fmt, profile: str | None = None, *,
 
 
 def fake_quantize(x: torch.Tensor, fmt, profile: str | None = None, *,
-                  global_amax: torch.Tensor | None = None) -> torch.Tensor:
+                  global_amax: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``workbench.formats.fake_quantize`` in one pass (plus an amax pass for NVFP4 without
-    ``global_amax``): same shape, dtype and bits."""
+    ``global_amax``): same shape, dtype and bits.
+
+    ``out_dtype``: write the result in this dtype instead of ``x``'s: the fp32 fake quantization
+    of ``x`` rounded once to it, so for an fp32 ``x`` bit-equal to ``fake_quantize(x, ...)
+    .to(out_dtype)``. An fp32 master fake-quantized straight into the bf16 operand of an
+    autocast GEMM: one pass instead of a fake quantization and a cast (8 of 14 bytes of traffic
+    per element less)."""
     recipe, spec = _check(x, fmt, profile)
     if spec.scale == "e8m0":
-        return _run_mx(x, recipe, spec, fake=True)[0]
-    return _run_nvfp4(x, recipe, global_amax, fake=True)[0]
+        return _run_mx(x, recipe, spec, fake=True, out_dtype=out_dtype)[0]
+    return _run_nvfp4(x, recipe, global_amax, fake=True, out_dtype=out_dtype)[0]

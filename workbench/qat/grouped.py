@@ -42,11 +42,26 @@ def grouped_mm(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor, *,
     plain.check(x_TI, w_EOI, offs)  # shape errors name grouped_mm, before fake quantization
     # Fake quantization is queued before the plain GEMM reads the group ends on the host (on
     # CUDA that read waits for the GPU), so the launches run while the host waits.
+    dt = _gemm_dtype(x_TI)
     if weight is not None:
-        w_EOI = fake_quant_ste(w_EOI, parse_recipe(weight), per_leading=True)
+        w_EOI = fake_quant_ste(w_EOI, parse_recipe(weight), per_leading=True,
+                               out_dtype=_narrowing(w_EOI, dt))
     if act is not None:
-        x_TI = _shared_act_fq(x_TI, parse_recipe(act))
+        x_TI = _shared_act_fq(x_TI, parse_recipe(act), _narrowing(x_TI, dt))
     return plain.grouped_mm(x_TI, w_EOI, offs, end=end)
+
+
+def _gemm_dtype(x_TI: torch.Tensor) -> torch.dtype | None:
+    """The dtype the plain GEMM casts its operands to: the autocast dtype on CUDA, else none."""
+    if x_TI.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return None
+
+
+def _narrowing(t: torch.Tensor, dt: torch.dtype | None) -> torch.dtype | None:
+    # fp32 masters under autocast: the fake quantization writes the GEMM's bf16 operand itself
+    # (the same bits as the cast after it, one pass less over the fp32 tensor)
+    return dt if dt is not None and t.dtype == torch.float32 and dt != t.dtype else None
 
 
 # The last activation quantized: (weakref to x, x's signature, recipe, grad mode, the output).
@@ -66,17 +81,19 @@ def _clear_slot(ref: weakref.ref) -> None:
         _LAST_ACT.clear()
 
 
-def _shared_act_fq(x: torch.Tensor, recipe: Recipe) -> torch.Tensor:
-    """`fake_quant_ste(x, recipe)`, reused for the same tensor, unchanged (same version), the
-    same recipe and the same grad mode (an output made under no_grad has no graph to reuse)."""
+def _shared_act_fq(x: torch.Tensor, recipe: Recipe,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`fake_quant_ste(x, recipe, out_dtype=...)`, reused for the same tensor, unchanged (same
+    version), the same recipe and output dtype, and the same grad mode (an output made under
+    no_grad has no graph to reuse)."""
     if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
-        return fake_quant_ste(x, recipe)
-    sig = (_act_signature(x), recipe, torch.is_grad_enabled())
+        return fake_quant_ste(x, recipe, out_dtype=out_dtype)
+    sig = (_act_signature(x), recipe, out_dtype, torch.is_grad_enabled())
     if _LAST_ACT:
         ref, last_sig, out = _LAST_ACT[0]
         if ref() is x and last_sig == sig:
             return out
-    out = fake_quant_ste(x, recipe)
+    out = fake_quant_ste(x, recipe, out_dtype=out_dtype)
     ref = weakref.ref(x)
     _LAST_ACT[:] = [(ref, sig, out)]
     weakref.finalize(x, _clear_slot, ref)

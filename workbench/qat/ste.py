@@ -129,20 +129,21 @@ def clear_amax_cache() -> None:
     _AMAX.clear()
 
 
-def _fq(x: torch.Tensor, recipe: Recipe, dim: int, per_leading: bool) -> torch.Tensor:
+def _fq(x: torch.Tensor, recipe: Recipe, dim: int, per_leading: bool,
+        out_dtype: torch.dtype | None = None) -> torch.Tensor:
     if dim not in (-1, x.dim() - 1):
-        return _fq(x.transpose(dim, -1).contiguous(), recipe, -1, per_leading).transpose(dim, -1)
+        return _fq(x.transpose(dim, -1).contiguous(), recipe, -1, per_leading,
+                   out_dtype).transpose(dim, -1)
     fast = _kernels(x, recipe)
+    kw = {}
     if recipe.fmt == "nvfp4" and per_leading and x.dim() == 3:
         # One NVFP4 per-tensor scale per expert, as each expert Linear has in a checkpoint:
         # the amax of this weight version (see the module doc), then one quantize pass.
-        amax = expert_amax(x, fast)
-        if fast is not None:
-            return fast.fake_quantize(x, recipe, global_amax=amax)
-        return fake_quantize(x, recipe, global_amax=amax)
-    if fast is not None:
-        return fast.fake_quantize(x, recipe)
-    return fake_quantize(x, recipe)
+        kw["global_amax"] = expert_amax(x, fast)
+    if fast is not None:  # the kernel writes out_dtype itself: no second pass to cast
+        return fast.fake_quantize(x, recipe, out_dtype=out_dtype, **kw)
+    y = fake_quantize(x, recipe, **kw)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 # hook(call, x) -> tensor: runs `call()` (the fake quantization of `x`, or the next hook) and
@@ -165,8 +166,13 @@ def register_fake_quant_hook(hook: FakeQuantHook) -> RemovableHandle:
     return handle
 
 
-def _fake_quant(x: torch.Tensor, recipe: Recipe, dim: int, per_leading: bool) -> torch.Tensor:
-    call = partial(_fq, x, recipe, dim, per_leading)
+def _fake_quant(x: torch.Tensor, recipe: Recipe, dim: int, per_leading: bool,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    if out_dtype is not None and out_dtype != x.dtype and x.dtype != torch.float32:
+        # the kernels would keep a bf16 input's unrounded fp32 values, the reference not
+        raise ValueError(f"fake quantization narrows fp32 to out_dtype; got a {x.dtype} input "
+                         f"and out_dtype={out_dtype}")
+    call = partial(_fq, x, recipe, dim, per_leading, out_dtype)
     if not _HOOKS or torch.compiler.is_compiling():
         return call()
     for hook in reversed(tuple(_HOOKS.values())):  # innermost first, so the first is outermost
@@ -176,24 +182,30 @@ def _fake_quant(x: torch.Tensor, recipe: Recipe, dim: int, per_leading: bool) ->
 
 class _FakeQuantSTE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, recipe: Recipe, dim: int, per_leading: bool):
-        return _fake_quant(x, recipe, dim, per_leading)
+    def forward(ctx, x, recipe: Recipe, dim: int, per_leading: bool, out_dtype):
+        ctx.in_dtype = x.dtype
+        return _fake_quant(x, recipe, dim, per_leading, out_dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None, None
+        # an fp32 master written as bf16 gets its gradient back in fp32, as from a cast
+        return grad.to(ctx.in_dtype), None, None, None, None
 
 
 def fake_quant_ste(x: torch.Tensor, recipe: Recipe, *, dim: int = -1,
-                   per_leading: bool = False) -> torch.Tensor:
+                   per_leading: bool = False,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Fake-quantize ``x`` with blocks along ``dim``; gradient passes straight through.
 
     ``per_leading``: for a 3-D expert stack, NVFP4 gets one per-tensor scale per expert.
+    ``out_dtype``: return the fp32 ``x``'s fake quantization in this (narrower) dtype, the
+    same bits as ``.to(out_dtype)`` after it; the Triton kernels write it in their one pass.
     """
-    return _FakeQuantSTE.apply(x, recipe, dim, per_leading)
+    return _FakeQuantSTE.apply(x, recipe, dim, per_leading, out_dtype)
 
 
 def fake_quant_reference(x: torch.Tensor, recipe: Recipe, *, dim: int = -1,
-                         per_leading: bool = False) -> torch.Tensor:
+                         per_leading: bool = False,
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The same numbers without autograd: what ``convert``/tests compare against."""
-    return _fake_quant(x, recipe, dim, per_leading)
+    return _fake_quant(x, recipe, dim, per_leading, out_dtype)
