@@ -49,6 +49,13 @@ def main(argv=None) -> None:
     ap.add_argument("--recipes", default="bf16,mxfp4,mxfp4+mxfp8,nvfp4,nvfp4+mxfp8")
     ap.add_argument("--profile", action="store_true",
                     help="after timing, print where one step's GPU time goes (torch.profiler)")
+    ap.add_argument("--masters", choices=("bf16", "fp32"), default="bf16",
+                    help="weight dtype: bf16, or fp32 masters under bf16 autocast as the trainer "
+                         "runs them on a GPU (the fake quantization then writes the GEMM's bf16 "
+                         "operand itself; BF16 pays autocast's cast)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="after timing, cProfile a few steps per recipe: where the host's launch "
+                         "time goes (top functions by own time)")
     ap.add_argument("--breakdown", action="store_true",
                     help="after timing, a table of GPU kernel time per step by kind (grouped GEMM, "
                          "fake quantization, the rest), summed over a few profiled steps")
@@ -58,18 +65,24 @@ def main(argv=None) -> None:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     E, D, F, n = args.experts, args.hidden, args.ffn, args.tokens_per_expert
-    x = torch.randn(E * n, D, device=dev, dtype=torch.bfloat16)
+    # bf16 activations as autocast hands them on; fp32 where there is no autocast (CPU)
+    x = torch.randn(E * n, D, device=dev, dtype=torch.float32 if args.masters == "fp32" and
+                    dev == "cpu" else torch.bfloat16)
     offs = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * n
     flops = 3 * 2 * (E * n) * D * F * 3  # 3 GEMMs fwd, x3 for fwd+bwd
     torch_ver = torch.__version__
     print(f"device={torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'} torch={torch_ver} "
-          f"E={E} D={D} F={F} tokens/expert={n} chain={args.chain} (steps per timed sample)")
+          f"E={E} D={D} F={F} tokens/expert={n} chain={args.chain} (steps per timed sample) "
+          f"masters={args.masters}")
+    wdtype = torch.float32 if args.masters == "fp32" else torch.bfloat16
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev == "cuda" and
+                              args.masters == "fp32")
 
     steps = {}
     for recipe in args.recipes.split(","):
         torch.manual_seed(0)
         m = torch.nn.Module()
-        m.experts = GroupedExperts(E, D, F, device=dev, dtype=torch.bfloat16)
+        m.experts = GroupedExperts(E, D, F, device=dev, dtype=wdtype)
         for p in m.parameters():
             torch.nn.init.normal_(p, std=0.02)
         if recipe != "bf16":
@@ -84,7 +97,9 @@ def main(argv=None) -> None:
                     p.grad = None
             xi.grad = None
             # as the dispatchers call it: the routed row count known on the host
-            m.experts(xi, offs, end=xi.shape[0]).sum().backward()
+            with autocast:
+                y = m.experts(xi, offs, end=xi.shape[0])
+            y.sum().backward()
 
         step()  # warm-up: compilation, autotuning, allocator
         steps[recipe] = step
@@ -124,6 +139,8 @@ def main(argv=None) -> None:
         rows.append({"recipe": recipe, "ms": t * 1e3, "vs_bf16": ratio, "gflops": flops / t / 1e9,
                      "host_ms": h * 1e3,
                      "samples_ms": [v * 1e3 for v in samples[recipe]]})
+    if args.host_profile:
+        _host_profile(steps, sync)
     if args.profile and dev == "cuda":
         for recipe, step in steps.items():
             _profile(step, recipe)
@@ -131,7 +148,7 @@ def main(argv=None) -> None:
     if os.environ.get("OUT"):
         meta = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                 "torch": torch_ver, "E": E, "D": D, "F": F, "tokens_per_expert": n,
-                "iters": args.iters, "chain": args.chain}
+                "iters": args.iters, "chain": args.chain, "masters": args.masters}
         Path(os.environ["OUT"], "bench_qat_moe.json").write_text(
             json.dumps({"meta": meta, "rows": rows, "breakdown": breakdown}, indent=1) + "\n")
 
@@ -175,6 +192,30 @@ def _breakdown(steps, reps: int = 5) -> dict:
         print(f"{recipe:<26}{sums['grouped GEMM']:>14.3f}{sums['fake quant']:>12.3f}"
               f"{sums['other']:>8.3f}{sum(sums.values()):>8.3f}", flush=True)
     return out
+
+
+def _host_profile(steps, sync, reps: int = 10) -> None:
+    """cProfile of `reps` steps per recipe (a sync after each, outside the profile's view of the
+    launches it does not change): the functions with the most own time."""
+    import cProfile
+    import io
+    import pstats
+
+    for recipe, step in steps.items():
+        sync()
+        prof = cProfile.Profile()
+        for _ in range(reps):
+            prof.enable()
+            step()
+            prof.disable()
+            sync()
+        buf = io.StringIO()
+        st = pstats.Stats(prof, stream=buf)
+        print(f"--- {recipe}: host time per step {st.total_tt / reps * 1e3:.2f} ms under cProfile "
+              f"(its own overhead included); top functions by own time, totals over {reps} steps")
+        st.sort_stats("tottime").print_stats(14)
+        print("\n".join(line for line in buf.getvalue().splitlines()
+                        if line.strip() and not line.startswith(("   Ordered", "   List"))))
 
 
 def _profile(step, recipe: str) -> None:
