@@ -2,6 +2,7 @@
 the QAT grouped GEMM. Triton is imported on first use; without it, calls raise
 ``TritonUnavailable`` naming the ``gpu`` extra and ``workbench.qat`` keeps the reference path."""
 
+from .adamw import addcdiv_amax_
 from .api import (
            SUPPORTED,
            TritonUnavailable,
@@ -13,6 +14,6 @@ from .api import (
            supports,
 )
 
-__all__ = ["SUPPORTED", "TritonUnavailable", "available", "fake_quantize",
+__all__ = ["SUPPORTED", "TritonUnavailable", "addcdiv_amax_", "available", "fake_quantize",
            "fake_quantize_experts", "global_amax",
            "quantize", "supports"]

@@ -17,6 +17,7 @@ from workbench.train.config import TrainConfig
 from workbench.train.distributed import DistInfo, Layout, make_layout
 from workbench.train.fsdp import apply_fsdp
 from workbench.train.init import load_init
+from workbench.train.optim import AdamW
 
 # The routed experts are what QAT fake-quantizes and what the packed export packs; attention,
 # router, dense FFNs, embeddings and lm_head stay BF16 (the Kimi K3 / gpt-oss recipes).
@@ -94,7 +95,9 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig):
     # No weight decay on norm gains (1-D); matrices, embeddings and expert stacks decay.
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    opt = torch.optim.AdamW(
+    # torch's AdamW arithmetic and state; its update of NVFP4 expert stacks also produces their
+    # per-expert amax for the next forward's fake quantization (workbench.train.optim)
+    opt = AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay},
          {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
