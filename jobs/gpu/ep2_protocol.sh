@@ -14,6 +14,8 @@
 #   jobs/gpu/ep2_protocol.sh --nproc 1 --deterministic   # bitwise resume on a GPU (docs/determinism.md)
 #   options: --steps N  --work DIR  --out DIR  --layers L  --batch B  --seq S  --deadline SECONDS
 #            --nproc N (ranks = GPUs, default 2)  --deterministic (every run with --deterministic)
+#            --recipe R (the QAT run's recipe, default mxfp4+mxfp8; e.g. nvfp4, whose expert
+#            stacks take the optimizer's fused update + amax on a GPU)
 # Results go to --out (default $OUT, else ./out/ep2): summary.md, summary.json, protocol.log,
 # runs.tar.gz (metrics.jsonl, configs, results, logs of every run; no checkpoints).
 #
@@ -27,6 +29,7 @@ set -uo pipefail
 MODE=gpu
 START=$(date +%s)
 STEPS=""; WORK=""; RESULTS="${OUT:-}"; LAYERS=2; BATCH=""; SEQ=""; NPROC=2; DETERMINISTIC=""
+RECIPE=mxfp4+mxfp8
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu) MODE=cpu ;;
@@ -39,11 +42,18 @@ while [ $# -gt 0 ]; do
     --deadline) DEADLINE="$2"; shift ;;
     --nproc) NPROC="$2"; shift ;;
     --deterministic) DETERMINISTIC=--deterministic ;;
+    --recipe) RECIPE="$2"; shift ;;
     -h|--help) sed -n 2,25p "$0"; exit 0 ;;
     *) echo "ep2_protocol.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift
 done
+
+# the recipe reaches command lines: a recipe name and nothing else (the trainer validates it)
+if ! [[ $RECIPE =~ ^[a-z0-9_]+(:[a-z0-9_-]+)?(\+[a-z0-9_]+(:[a-z0-9_-]+)?)?$ ]]; then
+  echo "ep2_protocol.sh: --recipe must be a recipe name such as mxfp4+mxfp8, got '$RECIPE'" >&2
+  exit 2
+fi
 
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$REPO"
@@ -146,9 +156,9 @@ if [ -f "$WORK/init/config.json" ]; then
   rm -rf "$WORK/bf16/checkpoints"  # not needed again; frees tmpfs memory for the QAT run
   phase qat_killed "$RUN_TIMEOUT" "$PY" "$DRIVER" kill-at --out "$WORK/qat" --step "$KILL_AT" \
     --timeout "$RUN_TIMEOUT" -- "${TORCHRUN[@]}" "$DRIVER" train -- \
-    "${COMMON[@]}" --recipe mxfp4+mxfp8 --ckpt-every "$HALF" --out "$WORK/qat"
+    "${COMMON[@]}" --recipe "$RECIPE" --ckpt-every "$HALF" --out "$WORK/qat"
   phase qat_resumed "$RUN_TIMEOUT" "${TORCHRUN[@]}" "$DRIVER" train -- \
-    "${COMMON[@]}" --recipe mxfp4+mxfp8 --ckpt-every "$HALF" --out "$WORK/qat" \
+    "${COMMON[@]}" --recipe "$RECIPE" --ckpt-every "$HALF" --out "$WORK/qat" \
     --resume --export compressed-tensors
   size_of qat_dcp_bytes "$WORK/qat/checkpoints"
   size_of export_bytes "$WORK/qat/export"

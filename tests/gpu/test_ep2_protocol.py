@@ -99,6 +99,15 @@ def test_kill_at_fails_when_the_run_ends_first(tmp_path):
                      sys.executable, "-c", "pass"])
 
 
+@pytest.mark.parametrize("bad", ["nvfp4;true", "mxfp4+mxfp8 --steps 1", "$(id)", ""])
+def test_protocol_takes_only_a_recipe_name(bad, tmp_path):
+    proc = subprocess.run([str(JOBS / "ep2_protocol.sh"), "--cpu", "--recipe", bad, "--out",
+                           str(tmp_path)], cwd=REPO, text=True, capture_output=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 2 and "--recipe must be a recipe name" in proc.stderr, proc.stderr
+    assert not any(tmp_path.iterdir())  # refused before any phase ran
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_protocol_cpu_dry_run(tmp_path):
