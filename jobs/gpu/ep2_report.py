@@ -142,20 +142,22 @@ def export_check(qat: Path) -> dict:
             # Decoding to BF16 runs on the CPU: check it at each rank's first and last expert
             # (the grid bytes, which the decode is a pure function of, are compared for all).
             decode_at = {0, n // world - 1, n // world, n - 1} if world > 1 else {0, n - 1}
-            q = quantize(sd[key].to(dev), recipe)
-            ref_bf16 = dequantize(q, torch.bfloat16)
             for e in range(n):
+                # each expert alone, as each expert Linear is stored: NVFP4's per-tensor scale
+                # is that expert's own amax (a quantization of the whole stack would share one)
+                q = quantize(sd[key][e].to(dev), recipe)
                 g = stored_grid(ck, ck.record(layer, e, proj))
-                same = (torch.equal(g.data.to(dev), q.data[e]) and
-                        torch.equal(g.scale.to(dev), q.scale[e]))
+                same = (torch.equal(g.data.to(dev), q.data) and
+                        torch.equal(g.scale.to(dev), q.scale))
                 if not same:
                     mismatched.append(f"layer {layer} expert {e} {proj}")
                 compared += 1
                 if e not in decode_at:
                     continue
                 dec = ck.expert_weight(layer, e, proj)[:, :].to(dev)
+                ref_bf16 = dequantize(q, torch.bfloat16)
                 decoded_mismatch += int(not torch.equal(dec.view(torch.int16),
-                                                        ref_bf16[e].view(torch.int16)))
+                                                        ref_bf16.view(torch.int16)))
                 decoded += 1
     return {"path": str(ck.path), "layout": ck.layout, "recipe": str(recipe),
             "stored_recipe": str(ck.recipe_of(recs[0].name)), "routed_expert_weights": len(recs),

@@ -99,6 +99,25 @@ def test_kill_at_fails_when_the_run_ends_first(tmp_path):
                      sys.executable, "-c", "pass"])
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_protocol_cpu_dry_run_nvfp4(tmp_path):
+    """The protocol with NVFP4 QAT: resume bit for bit, and the export's grids equal each
+    expert's own quantization of the DCP masters (one NVFP4 per-tensor scale per expert; a
+    quantization of the whole stack, which shares one, would not match)."""
+    out = tmp_path / "out"
+    proc = subprocess.run([str(JOBS / "ep2_protocol.sh"), "--cpu", "--steps", "16", "--recipe",
+                           "nvfp4", "--out", str(out), "--work", str(tmp_path / "work")],
+                          cwd=REPO, text=True, capture_output=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert all(p["rc"] == 0 for p in s["phases"].values()), s["phases"]
+    assert s["resume"]["bit_exact"] and s["resume"]["steps_recomputed"] >= 1, s["resume"]
+    ex = s["export"]
+    assert ex["recipe"].startswith("nvfp4") and ex["bit_exact"], ex
+    assert ex["compared_with_dcp_masters"] == ex["routed_expert_weights"] == 2 * 8 * 3
+
+
 @pytest.mark.parametrize("bad", ["nvfp4;true", "mxfp4+mxfp8 --steps 1", "$(id)", ""])
 def test_protocol_takes_only_a_recipe_name(bad, tmp_path):
     proc = subprocess.run([str(JOBS / "ep2_protocol.sh"), "--cpu", "--recipe", bad, "--out",
