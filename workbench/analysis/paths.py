@@ -12,7 +12,13 @@
 ``workbench inspect``) takes ``batched`` on CUDA, and on CPU ``fused`` for jobs of at least
 ``COMPILE_ELEMENTS`` elements (a first compile costs seconds: 3 s of imports, 4 s from a warm
 Inductor disk cache, ~20 s cold, measured on 2 cores) and ``batched`` below, which needs no
-compile. ``WORKBENCH_ANALYSIS_PATH`` (auto/reference/batched/fused) overrides "auto" for a
+compile, unless this process has compiled that job's graphs already: a job (``job_key``: the
+question, the device type, each stored codec, profile and shape with its weight count, the
+recipes) whose fused call here ran compiled graphs and turned no family off
+(``graphs.note_fused_job``, recorded by ``run``) takes ``fused`` at any size, since its next call
+compiles nothing (MXFP8 grids under an MXFP8 recipe, 151M elements on 2 cores: 0.5 s fused
+against 5.5 s batched). Once a compile has failed in the process (``fused._BROKEN``,
+``compiled._BROKEN``) that rule is off and small jobs stay batched. ``WORKBENCH_ANALYSIS_PATH`` (auto/reference/batched/fused) overrides "auto" for a
 process, e.g. to pin the reference while debugging; an explicit argument always wins. Like
 torchao's ``KernelPreference``: one explicit choice, a logged default, no per-function guessing.
 """
@@ -21,9 +27,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, replace
 
 import torch
+
+from . import compiled, fused, graphs
 
 _log = logging.getLogger(__name__)
 PATHS = ("auto", "reference", "batched", "fused")
@@ -37,11 +47,43 @@ class PathChoice:
     path: str  # reference | batched | fused
     device: torch.device
     reason: str
+    job: Hashable | None = None  # job_key of the call, for the warm-process record (run)
 
 
-def choose_path(path: str, device: torch.device, elements: int, question: str) -> PathChoice:
+def job_key(question: str, device: torch.device, signatures, recipes=()) -> tuple:
+    """What a warm process knows a table call by: the graphs a fused call compiles are keyed by
+    (question, stored codec, profile, shape, recipe), and how many weights share a signature
+    sets the stack sizes (a stack of one is a graph of its own), so the same key needs no new
+    compile. ``signatures``: one hashable per weight (its codec, profile, shape; for question 2
+    with its reference's)."""
+    return (question, device.type, frozenset(Counter(signatures).items()),
+            tuple(str(r) for r in recipes))
+
+
+def broken_reason() -> str | None:
+    """The first reason a compiled family was turned off in this process (None: none was)."""
+    for family in (fused._BROKEN, compiled._BROKEN):
+        if family:
+            return family[0]
+    return None
+
+
+def run(choice: PathChoice, work: Callable):
+    """``work()``, the table call on ``choice``'s path; after a fused call on CPU its job is
+    recorded as warm when it ran compiled graphs and no family was turned off
+    (``graphs.note_fused_job``)."""
+    before = graphs.GRAPH_CALLS[0]
+    out = work()
+    if choice.path == "fused" and choice.device.type == "cpu" and choice.job is not None:
+        graphs.note_fused_job(choice.job, before, broken_reason())
+    return out
+
+
+def choose_path(path: str, device: torch.device, elements: int, question: str,
+                job: Hashable | None = None) -> PathChoice:
     """The path for one table call of ``elements`` weight elements on ``device``; logged once
-    per distinct (question, choice, reason)."""
+    per distinct (question, choice, reason). ``job`` (``job_key``): lets "auto" take ``fused``
+    below ``COMPILE_ELEMENTS`` when a fused call of the same job compiled its graphs here."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
     if path != "auto":
@@ -57,9 +99,18 @@ def choose_path(path: str, device: torch.device, elements: int, question: str) -
         elif elements >= COMPILE_ELEMENTS:
             choice = PathChoice("fused", device, f"default on CPU for {elements / 1e6:.0f}M "
                                 "elements: the compile pays for itself")
+        elif job is not None and graphs.warm(job):
+            why = broken_reason()
+            choice = PathChoice("fused", device, f"default on CPU below {COMPILE_ELEMENTS >> 20}M "
+                                "elements in a warm process: a fused call of this job compiled "
+                                "its graphs here") if why is None else \
+                PathChoice("batched", device, f"default on CPU below {COMPILE_ELEMENTS >> 20}M "
+                           f"elements: compiling failed earlier in this process ({why})")
         else:
             choice = PathChoice("batched", device, f"default on CPU below {COMPILE_ELEMENTS >> 20}M "
                                 "elements: no compile")
+    if job is not None:
+        choice = replace(choice, job=job)
     text = f"{question}: {choice.path} path on {device.type} ({choice.reason})"
     if text not in _LOGGED:
         _LOGGED.add(text)
