@@ -38,6 +38,7 @@ def ck(tmp_path):
 def _auto(caplog, call) -> tuple[str, object]:
     """(the path "auto" took, per the log; the table)"""
     caplog.clear()
+    paths._LOGGED.clear()  # (the fixture made it this test's own set)
     with caplog.at_level(logging.INFO, logger="workbench.analysis.paths"):
         t = call()
     said = [r.getMessage() for r in caplog.records if r.name == "workbench.analysis.paths"]
@@ -56,8 +57,9 @@ def test_a_fresh_process_keeps_a_small_job_batched(fresh, ck, caplog):
 @pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled")
 def test_the_same_small_job_after_a_fused_call_takes_fused(fresh, ck, caplog):
     """After a fused call (compiled for real) of question 3, the same job's "auto" call takes
-    fused, with the same table; the same checkpoint under another question, or another recipe,
-    has not been compiled: batched."""
+    fused, with the same table, and so does a smaller job of the same units (routed experts
+    only); the same checkpoint under another question, or another recipe, has not been compiled:
+    batched."""
     first = stored_vs_recipes(ck, ["mxfp4:rceil"], progress=False, device="cpu", path="fused")
     assert fused._BROKEN == [], fused._BROKEN
     said, got = _auto(caplog, lambda: stored_vs_recipes(ck, ["mxfp4:rceil"], progress=False,
@@ -66,6 +68,9 @@ def test_the_same_small_job_after_a_fused_call_takes_fused(fresh, ck, caplog):
     assert "warm process" in said
     assert got.experts.drop(columns=FROM_SUMS).equals(first.experts.drop(columns=FROM_SUMS))
     assert got.scales.equals(first.scales)
+    said, _ = _auto(caplog, lambda: stored_vs_recipes(ck, ["mxfp4:rceil"], kinds=("routed",),
+                                                      progress=False, device="cpu"))
+    assert said.startswith("stored grid vs recipes: fused path on cpu"), said  # fewer, same units
     said, _ = _auto(caplog, lambda: candidate_errors(ck, ["mxfp4:rceil"], progress=False,
                                                      device="cpu"))
     assert said.startswith("candidate recipes: batched path on cpu"), said
@@ -119,14 +124,25 @@ def test_a_failed_compile_keeps_warm_jobs_batched(fresh, ck, caplog, monkeypatch
         assert why in said, (recipe, said)
 
 
-def test_a_job_is_known_by_question_codecs_shapes_counts_and_recipes():
-    """How many weights share a signature sets the stack sizes (a stack of one expert is a graph
-    of its own: dynamo specialises a dim of size 1), so the count is part of the key."""
+def test_a_job_is_known_by_the_units_its_graphs_are_keyed_by():
+    """(question, device, signature, stack of one or more, recipe): a stack of one expert is a
+    graph of its own (dynamo specialises a dim of size 1), so the stack sizes count."""
     cpu = torch.device("cpu")
     a, b = ("mxfp4", "even", (64, 128)), ("mxfp4", "even", (128, 64))
-    key = paths.job_key("q", cpu, [a, a, b], ["mxfp4:rceil"])
-    assert key == paths.job_key("q", cpu, [b, a, a], ["mxfp4:rceil"])  # order is not stacking
-    assert key != paths.job_key("q", cpu, [a, b], ["mxfp4:rceil"])
-    assert key != paths.job_key("q", cpu, [a, a, b], ["mxfp4:floor"])
-    assert key != paths.job_key("r", cpu, [a, a, b], ["mxfp4:rceil"])
-    assert key != paths.job_key("q", torch.device("cuda"), [a, a, b], ["mxfp4:rceil"])
+    n = 64 * 128
+    units = paths.job_units("q", cpu, [a, a, b], [n] * 3, ["mxfp4:rceil"])
+    assert units == {("q", "cpu", a, False, "mxfp4:rceil"), ("q", "cpu", b, True, "mxfp4:rceil")}
+    assert units == paths.job_units("q", cpu, [b, a, a, a], [n] * 4, ["mxfp4:rceil"])
+    assert paths.job_units("q", cpu, [a, b], [n] * 2, ["mxfp4:rceil"]) != units
+    big = 1 << 20  # two of these fill a CPU stack: stacks of 2, 2, 1
+    assert {u[3] for u in paths.job_units("q", cpu, [a] * 5, [big] * 5)} == {False, True}
+    two = paths.job_units("q", cpu, [a, a, b], [n] * 3, ["mxfp4:rceil", "mxfp4:floor"])
+    assert units < two
+    assert not units & paths.job_units("r", cpu, [a, a, b], [n] * 3, ["mxfp4:rceil"])
+    graphs._WARM.clear()
+    try:
+        assert not graphs.warm(units) and not graphs.warm(frozenset())
+        assert graphs.note_fused_job(two, graphs.GRAPH_CALLS[0] - 1, None)
+        assert graphs.warm(units) and graphs.warm(two)
+    finally:
+        graphs._WARM.clear()

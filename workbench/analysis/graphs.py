@@ -7,23 +7,24 @@ call takes the batched path instead of failing again.
 The caches stay module globals of their users (``_COMPILED``, ``COMPILE_SECONDS``,
 ``_BROKEN``), passed in at each call: tests reset them per module.
 
-One record is process-wide, for ``paths.choose_path``: the jobs (``paths.job_key``: question,
-codecs, shapes, recipes) whose fused call in this process ran compiled graphs (``GRAPH_CALLS``
-grew: each returned, so each had compiled or loaded) with no family turned off at its end. Such
-a job's next call finds every graph it needs compiled, so "auto" may take ``fused`` for it at
-any size: the first compile, the only reason for the size threshold, is behind it.
+One record is process-wide, for ``paths.choose_path``: the units (``paths.job_units``: question,
+stored codec, profile, shape, stacks of one or more, recipe) of every fused call in this process
+that ran compiled graphs (``GRAPH_CALLS`` grew: each returned, so each had compiled or loaded)
+with no family turned off at its end. A job made of such units finds the graphs it needs
+compiled, so "auto" may take ``fused`` for it at any size: the first compile, the only reason
+for the size threshold, is behind it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
 import torch
 
 GRAPH_CALLS = [0]  # calls of a compiled graph that returned, in this process (a list: mutable)
-_WARM: set = set()  # paths.job_key of jobs whose fused call ran graphs and broke no family
+_WARM: set = set()  # paths.job_units of fused calls that ran graphs and broke no family
 
 
 def compiled(cache: dict, key, build: Callable, **options) -> Callable:
@@ -67,17 +68,17 @@ def first_call_timed(fn: Callable, args, key, seconds: dict, broken: list, *, wh
     return out
 
 
-def note_fused_job(job: Hashable, calls_before: int, broken: str | None) -> bool:
-    """Record ``job`` as warm after a fused call that started at ``GRAPH_CALLS[0] ==
+def note_fused_job(units: frozenset, calls_before: int, broken: str | None) -> bool:
+    """Record ``units`` as warm after a fused call that started at ``GRAPH_CALLS[0] ==
     calls_before``: only if it called a compiled graph (a fused call served wholly by the
     batched path compiled nothing, so its next call might) and no family is off (``broken``,
-    the first reason of any, else None). Returns whether it was recorded."""
+    the first reason of any, else None). Returns whether they were recorded."""
     if GRAPH_CALLS[0] > calls_before and broken is None:
-        _WARM.add(job)
+        _WARM.update(units)
         return True
     return False
 
 
-def warm(job: Hashable) -> bool:
-    """Whether a fused call of ``job`` in this process ran compiled graphs (``note_fused_job``)."""
-    return job in _WARM
+def warm(units: frozenset) -> bool:
+    """Whether every one of ``units`` was recorded by ``note_fused_job`` in this process."""
+    return bool(units) and units <= _WARM

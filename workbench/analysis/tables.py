@@ -131,7 +131,7 @@ def candidate_errors(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "s
     items = _records(ck, kinds)
     q = "candidate recipes"
     choice = choose_path(path, dev, _elements(items) * len(recs), q,
-                         paths.job_key(q, dev, _signatures(ck, items), recs))
+                         paths.job_units(q, dev, _signatures(ck, items), _sizes(items), recs))
     if choice.path != "reference":
         return _collect(paths.run(choice, lambda: fast.candidate_results(
             ck, items, recs, dev, _plan(dev, workers), progress,
@@ -174,8 +174,8 @@ def reference_errors(ck, reference, *, kinds=("routed", "shared", "dense"),
     items = _records(ck, kinds)
     q = "stored vs reference"
     refs = [reference.record(r.layer, r.expert, r.proj, r.kind) for r in items]
-    choice = choose_path(path, dev, _elements(items), q, paths.job_key(
-        q, dev, zip(_signatures(ck, items), _signatures(reference, refs))))
+    choice = choose_path(path, dev, _elements(items), q, paths.job_units(
+        q, dev, list(zip(_signatures(ck, items), _signatures(reference, refs))), _sizes(items)))
     if choice.path != "reference":
         return _collect(paths.run(choice, lambda: fast.reference_results(
             ck, reference, items, lambda rec: _stored_label(ck, rec), dev, _plan(dev, workers),
@@ -211,7 +211,7 @@ def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "
     items = _records(ck, kinds)
     q = "stored grid vs recipes"
     choice = choose_path(path, dev, _elements(items) * len(recs), q,
-                         paths.job_key(q, dev, _signatures(ck, items), recs))
+                         paths.job_units(q, dev, _signatures(ck, items), _sizes(items), recs))
     if choice.path != "reference":
         return _collect(paths.run(choice, lambda: fast.stored_results(
             ck, items, recs, dev, _plan(dev, workers), progress,
@@ -238,12 +238,16 @@ def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "
                     pd)
 
 
+def _sizes(items) -> list[int]:
+    return [r.shape[0] * r.shape[1] for r in items]
+
+
 def _elements(items) -> int:
-    return sum(r.shape[0] * r.shape[1] for r in items)
+    return sum(_sizes(items))
 
 
 def _signatures(ck, items) -> list[tuple]:
-    """Per record, what the batched and fused paths stack it by (for ``paths.job_key``)."""
+    """Per record, what the batched and fused paths stack it by (for ``paths.job_units``)."""
     return [fast._signature(ck, r) for r in items]
 
 
