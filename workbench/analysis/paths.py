@@ -13,16 +13,16 @@
 ``COMPILE_ELEMENTS`` elements (a first compile costs seconds: 3 s of imports, 4 s from a warm
 Inductor disk cache, ~20 s cold, measured on 2 cores) and ``batched`` below, which needs no
 compile, unless this process has compiled that job's graphs already: a job whose every unit
-(``job_units``: question, stored codec, profile and shape, stacks of one or more, recipe) was part
-of a fused call here that ran compiled graphs and turned no family off (``graphs.note_fused_job``,
-recorded by ``run``) takes ``fused`` at any size, since it compiles nothing (MXFP8 grids under an
-MXFP8 recipe, 151M elements on 2 cores: 0.5 s fused against 5.5 s batched). So a notebook that
-ran a large job, or asked for ``fused`` once, has later smaller jobs of the same units fused. A
-process whose first call was a small "auto" one compiled nothing and stays batched (the
-benchmark's second call). Once a compile has failed in the process (``fused._BROKEN``,
-``compiled._BROKEN``) that rule is off and small jobs stay batched. ``WORKBENCH_ANALYSIS_PATH``
-(auto/reference/batched/fused) overrides "auto" for a process, e.g. to pin the reference while
-debugging; an explicit argument always wins. Like
+(``job_units``: question, stored codec, profile and shape, stacks of one or more, recipe) was
+part of a fused call here that ran compiled graphs and turned no family off
+(``graphs.note_fused_job``, recorded by ``run``) takes ``fused`` at any size, since it compiles
+nothing (MXFP8 grids under an MXFP8 recipe, 151M elements on 2 cores, 2026-12-03: 0.5 s fused
+against 5.5 s batched). So a notebook that ran a large job, or asked for ``fused`` once, has
+later smaller jobs of the same units fused. A process whose first call was a small "auto" one
+compiled nothing and stays batched (the benchmark's second call). Once a compile has failed in
+the process (``fused._BROKEN``, ``compiled._BROKEN``) that rule is off and small jobs stay
+batched. ``WORKBENCH_ANALYSIS_PATH`` (auto/reference/batched/fused) overrides "auto" for a
+process, e.g. to pin the reference while debugging; an explicit argument always wins. Like
 torchao's ``KernelPreference``: one explicit choice, a logged default, no per-function guessing.
 """
 
