@@ -11,7 +11,13 @@ from pathlib import Path
 JOB = Path(__file__).resolve().parents[2] / "jobs" / "analysis_profile_cpu.py"
 
 
-def test_the_profile_job_runs_at_a_tiny_size(tmp_path, capsys):
+def test_the_profile_job_runs_at_a_tiny_size(tmp_path, capsys, monkeypatch):
+    from workbench.analysis import graphs, paths
+
+    # what the job's calls leave in this process stays with this test: the paths logged once
+    # (a later test reads its own choice from the log) and the units its fused calls warmed
+    monkeypatch.setattr(paths, "_LOGGED", set())
+    monkeypatch.setattr(graphs, "_WARM", set())
     spec = importlib.util.spec_from_file_location("analysis_profile_cpu", JOB)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
