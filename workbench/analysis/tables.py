@@ -26,7 +26,7 @@ from workbench._io import atomic_open
 from workbench.checkpoint.grid import stored_grid
 from workbench.formats import Recipe, dequantize, parse_recipe, quantize
 
-from . import fast
+from . import fast, paths
 from .metrics import error_metrics, grid_mismatch, scale_exponents
 from .paths import choose_path
 
@@ -129,11 +129,13 @@ def candidate_errors(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "s
     recs = [parse_recipe(r) for r in recipes]
     dev = _device(device)
     items = _records(ck, kinds)
-    choice = choose_path(path, dev, _elements(items) * len(recs), "candidate recipes")
+    q = "candidate recipes"
+    choice = choose_path(path, dev, _elements(items) * len(recs), q,
+                         paths.job_units(q, dev, _signatures(ck, items), _sizes(items), recs))
     if choice.path != "reference":
-        return _collect(fast.candidate_results(ck, items, recs, dev, _plan(dev, workers),
-                                               progress, use_compiled=choice.path == "fused"),
-                        pd)
+        return _collect(paths.run(choice, lambda: fast.candidate_results(
+            ck, items, recs, dev, _plan(dev, workers), progress,
+            use_compiled=choice.path == "fused")), pd)
 
     def work(rec):
         w = ck.view_of(rec).materialize().to(dev)
@@ -170,12 +172,14 @@ def reference_errors(ck, reference, *, kinds=("routed", "shared", "dense"),
         raise ValueError(f"reference checkpoint {reference.path} lacks {len(missing)} weights of "
                          f"{ck.path}, e.g. {missing[:3]}")
     items = _records(ck, kinds)
-    choice = choose_path(path, dev, _elements(items), "stored vs reference")
+    q = "stored vs reference"
+    refs = [reference.record(r.layer, r.expert, r.proj, r.kind) for r in items]
+    choice = choose_path(path, dev, _elements(items), q, paths.job_units(
+        q, dev, list(zip(_signatures(ck, items), _signatures(reference, refs))), _sizes(items)))
     if choice.path != "reference":
-        return _collect(fast.reference_results(ck, reference, items,
-                                               lambda rec: _stored_label(ck, rec), dev,
-                                               _plan(dev, workers), progress,
-                                               use_compiled=choice.path == "fused"), pd)
+        return _collect(paths.run(choice, lambda: fast.reference_results(
+            ck, reference, items, lambda rec: _stored_label(ck, rec), dev, _plan(dev, workers),
+            progress, use_compiled=choice.path == "fused")), pd)
 
     def work(rec):
         ref = reference.view_of(reference.record(rec.layer, rec.expert, rec.proj, rec.kind))
@@ -205,10 +209,13 @@ def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "
     recs = [parse_recipe(r) for r in recipes]
     dev = _device(device)
     items = _records(ck, kinds)
-    choice = choose_path(path, dev, _elements(items) * len(recs), "stored grid vs recipes")
+    q = "stored grid vs recipes"
+    choice = choose_path(path, dev, _elements(items) * len(recs), q,
+                         paths.job_units(q, dev, _signatures(ck, items), _sizes(items), recs))
     if choice.path != "reference":
-        return _collect(fast.stored_results(ck, items, recs, dev, _plan(dev, workers), progress,
-                                            use_fused=choice.path == "fused"), pd)
+        return _collect(paths.run(choice, lambda: fast.stored_results(
+            ck, items, recs, dev, _plan(dev, workers), progress,
+            use_fused=choice.path == "fused")), pd)
 
     def work(rec):
         stored = stored_grid(ck, rec)
@@ -231,8 +238,17 @@ def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "
                     pd)
 
 
+def _sizes(items) -> list[int]:
+    return [r.shape[0] * r.shape[1] for r in items]
+
+
 def _elements(items) -> int:
-    return sum(r.shape[0] * r.shape[1] for r in items)
+    return sum(_sizes(items))
+
+
+def _signatures(ck, items) -> list[tuple]:
+    """Per record, what the batched and fused paths stack it by (for ``paths.job_units``)."""
+    return [fast._signature(ck, r) for r in items]
 
 
 def _plan(dev, workers):

@@ -1,0 +1,55 @@
+"""jobs/analysis_profile_cpu.py at a tiny size (a few seconds), so the job cannot rot: every
+question x format gives a row with each stage, the stages add up to the wall time, and the
+table lands in --out."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+JOB = Path(__file__).resolve().parents[2] / "jobs" / "analysis_profile_cpu.py"
+
+
+def test_the_profile_job_runs_at_a_tiny_size(tmp_path, capsys, monkeypatch):
+    from workbench.analysis import graphs, paths
+
+    # what the job's calls leave in this process stays with this test: the paths logged once
+    # (a later test reads its own choice from the log) and the units its fused calls warmed
+    monkeypatch.setattr(paths, "_LOGGED", set())
+    monkeypatch.setattr(graphs, "_WARM", set())
+    spec = importlib.util.spec_from_file_location("analysis_profile_cpu", JOB)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    from workbench.analysis import batched, compiled, fast, fused
+
+    saved = [(m, dict(vars(m))) for m in (fast, fused, compiled)]
+    saved.append((fused.FusedResult, {"histogram": fused.FusedResult.histogram}))
+    try:  # the job instruments these modules for its process: put them back for later tests
+        assert mod.main(["--small-shape", "--experts", "4", "--size-gb", "0.002",
+                         "--ref-gb", "0.003", "--dir", str(tmp_path / "ck"),
+                         "--formats", "mxfp4,nvfp4", "--out", str(tmp_path / "out")]) == 0
+    finally:
+        for m, d in saved:
+            for k, v in d.items():
+                if getattr(m, k, None) is not v and not k.startswith("__"):
+                    setattr(m, k, v)
+    assert fast.batched is batched and fast.load_stack is saved[0][1]["load_stack"]
+    text = (tmp_path / "out" / "analysis_profile_cpu.md").read_text()
+    lines = [x for x in text.splitlines() if x.startswith("| ") and "---" not in x]
+    k = len(mod.STAGES)
+    assert lines[0].split(" | ")[7:7 + k] == list(mod.STAGES)
+    paths_seen = [x.split(" | ")[6] for x in lines[1:]]
+    assert len([p for p in paths_seen if p != "fused (asked)"]) == 2 * 3, text
+    assert "fused (asked)" in paths_seen  # a small job: auto batched, then asked fused
+    for x in lines[1:]:
+        cells = [c.strip() for c in x.strip("|").split("|")]
+        secs = float(cells[4])
+        parts = [float(c.split()[0]) for c in cells[7:7 + k]]
+        assert all(p >= -0.01 for p in parts), x  # exclusive timers never go negative
+        main = sum(parts[1:])  # all but read (on the reader threads)
+        assert abs(main - secs) < 0.02, (x, main, secs)  # ... and add up to the wall time
+        assert cells[6] in ("batched", "fused", "fused (asked)") and float(cells[-1]) > 0
+    assert "auto's reasons:" in text and "machine:" in text
+    capsys.readouterr()
