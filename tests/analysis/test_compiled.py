@@ -212,6 +212,30 @@ def test_fused_path_takes_the_compiled_pass_only_where_it_measured_faster(tmp_pa
     assert served and set(served) == {"nvfp4:torchao"}, served
 
 
+def test_reference_errors_skip_the_finite_check_where_batched_is_taken(tmp_path, monkeypatch):
+    """An MXFP4 grid against its BF16 reference is not in FASTER: path="fused" takes it batched
+    without the full isfinite pass over the reference (finite_reason) that only the compiled pass
+    needs."""
+    import pandas as pd
+    from analysis_ckpts import moe_weights, write_dense, write_mxfp4
+
+    from workbench.analysis import reference_errors
+    from workbench.checkpoint import open_checkpoint
+
+    assert not compiled.preferred("reference", "mxfp4", None)
+    checked = []
+    real = compiled.finite_reason
+    monkeypatch.setattr(compiled, "finite_reason",
+                        lambda w, g: checked.append(g.fmt) or real(w, g))
+    sd = moe_weights(layers=1, experts=2, shared=False, dense_layer=False)
+    ck = open_checkpoint(write_mxfp4(tmp_path / "q", sd))
+    ref = open_checkpoint(write_dense(tmp_path / "ref", sd))
+    df = reference_errors(ck, ref, progress=False, path="fused").experts
+    assert len(df) == 2 * 3 and checked == [], checked
+    want = reference_errors(ck, ref, progress=False, path="reference").experts
+    pd.testing.assert_frame_equal(df, want, check_exact=False, rtol=1e-5)  # sums: order only
+
+
 def test_recipes_the_compiled_pass_does_not_serve(tmp_path, monkeypatch):
     """compiled.recipe_reason names compressed-tensors' MXFP8 rule, and path="fused" (every graph
     allowed) then computes that recipe batched, still equal to the reference."""
