@@ -6,22 +6,15 @@ read after the write. One launch; the caller bumps the version counter
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .api import TritonUnavailable, _bits, _interpret, triton_cdiv
+from .api import _bits, _interpret, _triton, triton_cdiv
 
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
-@functools.lru_cache(maxsize=1)
 def _kernel():
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise TritonUnavailable(
-            "workbench.kernels needs Triton: pip install 'workbench[gpu]'") from exc
+    _triton()  # Triton, or TritonUnavailable naming the gpu extra (api's one check)
     from . import _adamw_kernel
 
     return _adamw_kernel
