@@ -193,7 +193,10 @@ def main(argv=None) -> None:
 # fake-quant kernels (workbench/kernels: mx_kernel, nvfp4_kernel, amax_kernel).
 # The optimizer's fused update (addcdiv_amax_kernel, with --optimizer) is not fake quantization:
 # it takes the place of torch's addcdiv, so it counts with the rest of the optimizer in "other".
-_FQ_KERNELS = re.compile(r"(mx_kernel|nvfp4_kernel|amax_kernel)\b")
+# The fused SwiGLU kernels (forward with the activation fake quantization, and its backward) count
+# as fake quantization, SwiGLU work included: BF16 runs that work in torch's elementwise kernels.
+_FQ_KERNELS = re.compile(r"(mx_kernel|nvfp4_kernel|amax_kernel|swiglu_mx_kernel|"
+                         r"swiglu_backward_kernel)\b")
 
 
 def _kind(name: str) -> str:

@@ -4,8 +4,12 @@
 #   tests  the GPU tests this issue touches (cached amax + one-pass quantize, the grouped fast
 #          path, the model's CUDA tests) and the CPU tests of the amax cache and the atomic-free
 #          combine (the full kernel suite: tests/kernels/run_gpu.sh)       -> $OUT/tests.log
-#   moe    jobs/bench_qat_moe.py --k3: QAT expert layer vs BF16, weights updated every step
-#                                                          -> $OUT/bench_qat_moe.{log,json}
+#   bits   jobs/gpu/swiglu_bits.py: the fused SwiGLU kernels against torch's CUDA ops, every
+#          bf16 gate value (and which CONTRACT is torch's silu_backward)  -> $OUT/swiglu_bits.log
+#   moe    jobs/bench_qat_moe.py --k3: QAT expert layer vs BF16, three variants (MOE_VARIANTS):
+#          plain (one-element weight update), optimizer (--optimizer: AdamW each step, goal on the
+#          fwd+bwd span), fp32 (--optimizer --masters fp32)
+#                                                  -> $OUT/moe-VARIANT/bench_qat_moe.{log,json}
 #   train  jobs/bench_train_gpu.py: trainer table (tokens/s/GPU, MFU, peak memory, fq share,
 #          QAT/BF16) for bf16 and each recipe, deterministic on/off cost, two fresh seeded runs
 #          compared (deterministic and not)                -> $OUT/bench_train_gpu.{log,json,md}
@@ -20,8 +24,9 @@ set -uo pipefail
 JOB_NAME=issue19
 source "$(dirname "$0")/_env.sh"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 WANDB_MODE=disabled
-STAGES=${STAGES:-tests,moe,train,ep2}
-MOE_ARGS=(--k3 --iters 30 --breakdown); TRAIN=(${TRAIN_ARGS:-}); EP1=(); TESTS_T=90
+STAGES=${STAGES:-tests,bits,moe,train,ep2}
+MOE_VARIANTS=${MOE_VARIANTS:-plain,optimizer,fp32}
+MOE_ARGS=(--k3 --iters 30 --breakdown); TRAIN=(${TRAIN_ARGS:-}); EP1=(); TESTS_T=200
 if [ "${DRY_RUN:-}" = cpu ]; then
   MOE_ARGS=(--experts 4 --hidden 128 --ffn 64 --tokens-per-expert 32 --iters 2)
   TRAIN=(--preset tiny --steps 4 --warmup 1 --batch 4 --seq 32 ${TRAIN_ARGS:-})
@@ -35,14 +40,27 @@ fi
 if [[ $STAGES == *tests* ]]; then
   stamp "tests"
   timeout "$TESTS_T" "$PY" -m pytest tests/kernels/test_amax_cache_gpu.py tests/kernels/test_grouped_gpu.py \
-    tests/kernels/test_dispatch.py tests/model/test_model_gpu.py tests/qat/test_amax_cache.py \
+    tests/kernels/test_swiglu.py tests/kernels/test_codecs.py tests/kernels/test_dispatch.py tests/model/test_model_gpu.py tests/qat/test_amax_cache.py \
     tests/train/test_deterministic_combine.py -q -rfE -p no:cacheprovider 2>&1 \
     | tee "$OUT/tests.log" | tail -15
 fi
+if [[ $STAGES == *bits* ]] && [ "${DRY_RUN:-}" != cpu ]; then
+  stamp "swiglu_bits"
+  timeout 60 "$PY" jobs/gpu/swiglu_bits.py 2>&1 | tee "$OUT/swiglu_bits.log"
+fi
 if [[ $STAGES == *moe* ]]; then
-  stamp "bench_qat_moe --k3"
-  timeout 75 "$PY" jobs/bench_qat_moe.py "${MOE_ARGS[@]}" 2>&1 | tee "$OUT/bench_qat_moe.log" \
-    | grep -v "^\s*$"
+  for variant in ${MOE_VARIANTS//,/ }; do
+    case $variant in
+      plain) extra=() ;;
+      optimizer) extra=(--optimizer) ;;
+      fp32) extra=(--optimizer --masters fp32) ;;
+      *) echo "issue19.sh: unknown MOE_VARIANTS entry '$variant'" >&2; exit 2 ;;
+    esac
+    stamp "bench_qat_moe ${MOE_ARGS[*]} ${extra[*]}"
+    mkdir -p "$OUT/moe-$variant"
+    OUT="$OUT/moe-$variant" timeout 90 "$PY" jobs/bench_qat_moe.py "${MOE_ARGS[@]}" "${extra[@]}" \
+      2>&1 | tee "$OUT/moe-$variant/bench_qat_moe.log" | grep -v "^\s*$"
+  done
 fi
 if [[ $STAGES == *train* ]]; then
   stamp "bench_train_gpu"

@@ -11,9 +11,12 @@ from .api import (
            fake_quantize_experts,
            global_amax,
            quantize,
+           silu_mul_backward,
+           silu_mul_fake_quantize,
            supports,
 )
 
 __all__ = ["SUPPORTED", "TritonUnavailable", "addcdiv_amax_", "available", "fake_quantize",
            "fake_quantize_experts", "global_amax",
-           "quantize", "supports"]
+           "quantize", "silu_mul_backward",
+           "silu_mul_fake_quantize", "supports"]

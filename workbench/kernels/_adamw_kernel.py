@@ -14,19 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import bits_of, is_nan, load_f32
-
-
-@triton.jit
-def _bf16_bits(y, HW: tl.constexpr):
-    """The bf16 bits of fp32 ``y`` rounded to nearest even, sign-extended to int32: on a GPU the
-    cvt.rn cast torch's conversion also uses, under the interpreter (whose bf16 cast truncates)
-    the same rounding on the integer bits, as ``_common.store_rounded``."""
-    if HW:
-        return y.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
-    b = bits_of(y)
-    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-    return tl.where(is_nan(y), b >> 16, r)
+from ._common import bf16_bits, bits_of, load_f32
 
 
 @triton.jit
@@ -51,7 +39,7 @@ def addcdiv_amax_kernel(p_ptr, m_ptr, d_ptr, amax_bits_ptr, n_per_expert, alpha,
     else:
         y = q * alpha + a
     if BF16_BITS:
-        r = _bf16_bits(y, HW)
+        r = bf16_bits(y, HW)
         tl.store(p_ptr + idx, r.to(tl.int16), mask=mask)
         stored = r << 16  # the fp32 bits of the stored bf16 value
     else:

@@ -140,6 +140,24 @@ def e2m1_round_value(v):
 
 
 @triton.jit
+def bf16_bits(y, HW: tl.constexpr):
+    """The bf16 bits of fp32 ``y`` rounded to nearest even, sign-extended to int32: on a GPU the
+    cvt.rn cast torch's conversions also use, under the interpreter (whose bf16 cast truncates)
+    the same rounding on the integer bits, as ``store_rounded``."""
+    if HW:
+        return y.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
+    b = bits_of(y)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return tl.where(is_nan(y), b >> 16, r)
+
+
+@triton.jit
+def bf16_value(bits):
+    """fp32 value of sign-extended bf16 ``bits`` (as ``bf16_bits`` returns them)."""
+    return (bits << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def store_rounded(ptr, y, mask, BF16_BITS: tl.constexpr, HW: tl.constexpr):
     """Store fp32 ``y`` in ``ptr``'s dtype. bf16 outputs go out as int16 bits: on a GPU the
     cvt.rn cast, under the interpreter (whose bf16 cast truncates and flushes subnormals) the

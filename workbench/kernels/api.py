@@ -105,15 +105,25 @@ def _out_dtype(x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
     return out_dtype
 
 
-def _run_mx(x, recipe, spec, fake: bool, out_dtype: torch.dtype | None = None):
-    mxk, _ = _triton()
+def _mx_args(recipe, spec, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The encode / decode tables and the format's constexprs, as the MX kernels take them."""
     prof = MX_PROFILES[recipe.profile]
-    x = x.contiguous()
-    n_blocks = x.numel() // 32
-    dev = str(x.device)
+    dev = str(device)
     enc = cached_lut("encode", prof.name, dev, torch.float32)
     dec = cached_lut("decode", prof.name, dev, torch.float32)
-    elem = {"e2m1": 0, "e4m3": 1, "e5m2": 2}[spec.element]
+    max_mant = struct.unpack("<I", struct.pack("<f", spec.elem_max))[0] & 0x7FFFFF
+    consts = dict(ELEM={"e2m1": 0, "e4m3": 1, "e5m2": 2}[spec.element],
+                  RULE=_MX_RULES[prof.scale_rule], EMAX=spec.elem_emax,
+                  MANT_BITS=spec.elem_mantissa_bits, MAX_MANT=max_mant, ELEM_MAX=spec.elem_max,
+                  INF_BYTE=-1 if prof.inf_byte is None else prof.inf_byte, HW=not _interpret())
+    return enc, dec, consts
+
+
+def _run_mx(x, recipe, spec, fake: bool, out_dtype: torch.dtype | None = None):
+    mxk, _ = _triton()
+    x = x.contiguous()
+    n_blocks = x.numel() // 32
+    enc, dec, consts = _mx_args(recipe, spec, x.device)
     if fake:
         out, scale = torch.empty_like(x, dtype=_out_dtype(x, out_dtype)), x  # scale_ptr unused
     else:
@@ -123,14 +133,70 @@ def _run_mx(x, recipe, spec, fake: bool, out_dtype: torch.dtype | None = None):
     if n_blocks == 0:
         return out, scale
     nb = _blocks_per_program(n_blocks, 32)
-    max_mant = struct.unpack("<I", struct.pack("<f", spec.elem_max))[0] & 0x7FFFFF
     mxk.mx_kernel[(triton_cdiv(n_blocks, nb),)](
-        _bits(x), _bits(out), scale, enc, dec, n_blocks, NB=nb, ELEM=elem, RULE=_MX_RULES[prof.scale_rule],
-        EMAX=spec.elem_emax, MANT_BITS=spec.elem_mantissa_bits, MAX_MANT=max_mant,
-        ELEM_MAX=spec.elem_max, INF_BYTE=-1 if prof.inf_byte is None else prof.inf_byte,
-        FAKE=fake, BF16_BITS=x.dtype == torch.bfloat16, HW=not _interpret(),
-        OUT_BF16=out.dtype == torch.bfloat16, num_warps=4)
+        _bits(x), _bits(out), scale, enc, dec, n_blocks, NB=nb, FAKE=fake,
+        BF16_BITS=x.dtype == torch.bfloat16, OUT_BF16=out.dtype == torch.bfloat16, num_warps=4,
+        **consts)
     return out, scale
+
+
+def _swiglu_operands(name: str, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    t0 = ts[0]
+    for t in ts:
+        if t.dtype != torch.bfloat16 or t.shape != t0.shape or t.device != t0.device:
+            raise ValueError(f"{name} takes bf16 tensors of one shape and device, got "
+                             + ", ".join(f"{t.dtype} {list(t.shape)} on {t.device}" for t in ts))
+    if not (t0.is_cuda or _interpret()):
+        raise ValueError("Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
+    return tuple(t.contiguous() for t in ts)
+
+
+def silu_mul_fake_quantize(g: torch.Tensor, u: torch.Tensor, fmt,
+                           profile: str | None = None) -> torch.Tensor:
+    """``fake_quantize(F.silu(g) * u, fmt, profile)`` for bf16 ``g`` and ``u`` of one shape, in
+    one pass (MX formats; NVFP4's tensor amax would need a pass over the product first). On a
+    GPU the same bits as those torch ops and then this module's ``fake_quantize``
+    (tests/kernels/test_swiglu.py checks the silu on every bf16 input). The SwiGLU of an expert
+    layer fused with the down projection's activation fake quantization: neither ``silu(g)``
+    nor the product is written (``workbench.qat.grouped.swiglu``)."""
+    recipe, spec = _check(g, fmt, profile)
+    if spec.scale != "e8m0":
+        raise NotImplementedError(f"silu_mul_fake_quantize serves MX formats, not {recipe}")
+    g, u = _swiglu_operands("silu_mul_fake_quantize", g, u)
+    mxk, _ = _triton()
+    q = torch.empty_like(g)
+    n_blocks = g.numel() // 32
+    if n_blocks:
+        enc, dec, consts = _mx_args(recipe, spec, g.device)
+        nb = _blocks_per_program(n_blocks, 32)
+        mxk.swiglu_mx_kernel[(triton_cdiv(n_blocks, nb),)](
+            _bits(g), _bits(u), _bits(q), enc, dec, n_blocks, NB=nb, num_warps=4, **consts)
+    return q
+
+
+# Whether torch's CUDA silu_backward contracts ``x * (1 - sig) + 1`` into an fma (nvcc does by
+# default): the GPU test of silu_mul_backward checks the choice against torch.
+SILU_BACKWARD_CONTRACT = True
+
+
+def silu_mul_backward(dq: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *,
+                      contract: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dg, du)``: the gradients of ``silu(g) * u`` for the incoming ``dq`` (bf16, one shape),
+    as torch's autograd computes them on CUDA, ``silu_backward(dq * u, g)`` and
+    ``dq * silu(g)``, in one pass that recomputes ``silu(g)``. ``contract``: see
+    ``_mx_kernel.swiglu_backward_kernel`` (default ``SILU_BACKWARD_CONTRACT``)."""
+    dq, g, u = _swiglu_operands("silu_mul_backward", dq, g, u)
+    mxk, _ = _triton()
+    contract = SILU_BACKWARD_CONTRACT if contract is None else contract
+    dg, du = torch.empty_like(g), torch.empty_like(g)
+    n = g.numel()
+    if n:
+        block = 1 << 20 if _interpret() else 4096
+        extra = {} if contract else {"enable_fp_fusion": False}
+        mxk.swiglu_backward_kernel[(triton_cdiv(n, block),)](
+            _bits(dq), _bits(g), _bits(u), _bits(dg), _bits(du), n, BLOCK=block,
+            HW=not _interpret(), CONTRACT=contract, num_warps=4, **extra)
+    return dg, du
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

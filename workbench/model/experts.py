@@ -4,8 +4,10 @@ Legend: T routed rows (token copies sorted by expert), D hidden, F expert FFN, E
 
 `w1` (gate) and `w3` (up) are [E, F, D], `w2` (down) is [E, D, F]: Linear convention
 [E, out, in], so each block-scaled format blocks the last (reduction) dim of every weight.
-The forward calls only `self.grouped_mm(x_TD, w_EOI, offs_E)`; QAT replaces that attribute on the
-instance (never the parameters), so masters, state_dict and optimizer state stay untouched.
+The forward calls only `self.grouped_mm(x_TD, w_EOI, offs_E)` and `self.swiglu(g_TF, u_TF)`; QAT
+replaces those attributes on the instance (never the parameters), so masters, state_dict and
+optimizer state stay untouched. The SwiGLU is a seam of its own because it sits between two
+GEMMs: QAT fuses the down projection's activation fake quantization into it on a GPU.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.model.grouped import grouped_mm
+
+
+def swiglu(g_TF: torch.Tensor, u_TF: torch.Tensor) -> torch.Tensor:
+    """The experts' activation: silu(gate) * up."""
+    return F.silu(g_TF) * u_TF
 
 
 class GroupedExperts(nn.Module):
@@ -36,13 +43,14 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn, hidden, **kw))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, ffn, **kw))
         self.grouped_mm = grouped_mm
+        self.swiglu = swiglu
 
     def forward(self, x_TD: torch.Tensor, offs_E: torch.Tensor, *,
                 end: int | None = None) -> torch.Tensor:
         """`end`: offs_E[-1] when the caller knows it on the host (the dispatchers do), so the
         grouped GEMMs never wait for the GPU (`workbench.model.grouped`)."""
         mm = self.grouped_mm
-        h_TF = F.silu(mm(x_TD, self.w1, offs_E, end=end)) * mm(x_TD, self.w3, offs_E, end=end)
+        h_TF = self.swiglu(mm(x_TD, self.w1, offs_E, end=end), mm(x_TD, self.w3, offs_E, end=end))
         return mm(h_TF, self.w2, offs_E, end=end)
 
     @torch.no_grad()

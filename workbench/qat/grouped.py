@@ -21,6 +21,16 @@ call's fake-quantized activations (`_shared_act_fq`) instead of quantizing the s
 again, one full read and write of the activations less per layer. Both GEMMs then hang off one
 STE node, whose two incoming gradients autograd sums before they pass to x: the same sum, in the
 same order, as when each STE passed its own gradient to x.
+
+`swiglu(g, u, act=...)` is the QAT side of the experts' SwiGLU seam. On a GPU, for MX activation
+recipes, it returns the down projection's fake-quantized operand Q(silu(g) * u) from one Triton
+pass (`workbench.kernels.silu_mul_fake_quantize`: the same bits as the unfused ops) and marks it
+as already quantized, so the down projection's `grouped_mm` takes it as it is; neither silu(g)
+nor the product is written. Its backward is one pass too (`silu_mul_backward`: the bits of the
+unfused graph's STE identity, the multiply's two products and `aten.silu_backward`), and it
+saves g and u only (the unfused graph also keeps silu(g)).
+Elsewhere (CPU, NVFP4 activations, torch.compile traces) it is the plain SwiGLU and the down
+projection quantizes as before.
 """
 
 from __future__ import annotations
@@ -29,9 +39,11 @@ import weakref
 
 import torch
 
-from workbench.formats import Recipe, parse_recipe
+from workbench import kernels
+from workbench.formats import Recipe, format_spec, parse_recipe
 from workbench.model import grouped as plain
-from workbench.qat.ste import fake_quant_ste
+from workbench.model.experts import swiglu as plain_swiglu
+from workbench.qat.ste import fake_quant_ste, hooked
 
 
 def grouped_mm(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor, *,
@@ -92,9 +104,62 @@ def _shared_act_fq(x: torch.Tensor, recipe: Recipe,
     if _LAST_ACT:
         ref, last_sig, out = _LAST_ACT[0]
         if ref() is x and last_sig == sig:
-            return out
+            return x if out is None else out  # None: x is itself that fake quantization
     out = fake_quant_ste(x, recipe, out_dtype=out_dtype)
+    _remember(x, sig, out)
+    return out
+
+
+def _remember(x: torch.Tensor, sig: tuple, out: torch.Tensor | None) -> None:
     ref = weakref.ref(x)
     _LAST_ACT[:] = [(ref, sig, out)]
     weakref.finalize(x, _clear_slot, ref)
-    return out
+
+
+def swiglu(g_TF: torch.Tensor, u_TF: torch.Tensor, *, act: object = None) -> torch.Tensor:
+    """The experts' SwiGLU ``silu(g) * u``; with ``act`` (the down projection's activation
+    recipe), where a fused kernel serves it, already fake-quantized with that recipe (see the
+    module doc). The down projection's ``grouped_mm(..., act=act)`` recognises the result."""
+    recipe = None if act is None else parse_recipe(act)
+    fast = _fused_kernels(g_TF, u_TF, recipe)
+    if fast is None:
+        return plain_swiglu(g_TF, u_TF)
+    q = _SiluMulFakeQuant.apply(g_TF, u_TF, recipe, fast)
+    # what `_shared_act_fq(q, recipe)` will ask for from the down projection (bf16 q: no
+    # narrowing), answered by q itself
+    _remember(q, (_act_signature(q), recipe, None, torch.is_grad_enabled()), None)
+    return q
+
+
+def _fused_kernels(g: torch.Tensor, u: torch.Tensor, recipe: Recipe | None):
+    """`workbench.kernels` where the fused SwiGLU serves these operands and recipe, else None.
+    Not inside torch.compile traces or inference mode, where `_shared_act_fq` cannot recognise
+    the result (no slot, no version counter) and would quantize it again."""
+    if recipe is None or not g.is_cuda or torch.compiler.is_compiling() \
+            or torch.is_inference_mode_enabled():
+        return None
+    if g.dtype != torch.bfloat16 or u.dtype != torch.bfloat16 or g.shape != u.shape \
+            or g.dim() != 2 or format_spec(recipe.fmt).scale != "e8m0" \
+            or g.shape[1] % format_spec(recipe.fmt).block:
+        return None
+    return kernels if kernels.supports(recipe) and kernels.available() else None
+
+
+class _SiluMulFakeQuant(torch.autograd.Function):
+    """Q(silu(g) * u): forward in one kernel, backward in one kernel, both the unfused graph's
+    bits (its STE's identity, the multiply's two products, SiluBackward)."""
+
+    @staticmethod
+    def forward(ctx, g, u, recipe: Recipe, fast):
+        # timed as a fake quantization (its SwiGLU work included)
+        q = hooked(lambda: fast.silu_mul_fake_quantize(g, u, recipe), g)
+        ctx.save_for_backward(g, u)  # silu(g) is recomputed, not kept: one tensor less saved
+        ctx.fast = fast
+        return q
+
+    @staticmethod
+    def backward(ctx, dq):
+        g, u = ctx.saved_tensors
+        dg, du = ctx.fast.silu_mul_backward(dq, g, u)
+        return (dg if ctx.needs_input_grad[0] else None,
+                du if ctx.needs_input_grad[1] else None, None, None)

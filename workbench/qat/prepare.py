@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 from workbench.formats import QuantizedTensor, Recipe, format_spec, quantize
+from workbench.model.experts import swiglu as plain_swiglu
 from workbench.model.grouped import grouped_mm as plain_grouped_mm
 
-from .grouped import grouped_mm
+from .grouped import grouped_mm, swiglu
 from .recipe import QATRecipe, parse_qat_recipe
 from .ste import fake_quant_ste
 from .styles import WeightSite, find_sites
@@ -112,6 +113,18 @@ class GroupedSeam:
                            " never saw; was a parameter replaced after prepare?")
 
 
+class SwigluSeam:
+    """Replaces ``GroupedExperts.swiglu`` when activations are fake-quantized: the SwiGLU with
+    the down projection's activation fake quantization fused in where a kernel serves it
+    (``workbench.qat.grouped.swiglu``; the plain SwiGLU elsewhere)."""
+
+    def __init__(self, act: Recipe):
+        self.act = act
+
+    def __call__(self, g_TF: torch.Tensor, u_TF: torch.Tensor) -> torch.Tensor:
+        return swiglu(g_TF, u_TF, act=self.act)
+
+
 class ParamSwapForward:
     """Instance-level ``forward``: runs the class forward with fake-quantized weights swapped in
     for the masters (restored even when the forward raises), and fake-quantizes the first
@@ -190,6 +203,8 @@ def prepare(model: nn.Module, recipe: str | QATRecipe = "mxfp4", scope="routed-e
             mod.grouped_mm = GroupedSeam(
                 [(p, qr.weight if n in scoped else None)
                  for n, p in mod.named_parameters(recurse=False) if p.dim() == 3], qr.act)
+            if qr.act is not None and mod.__dict__.get("swiglu") is plain_swiglu:
+                mod.swiglu = SwigluSeam(qr.act)
         else:
             weights = {s.param: (qr.weight, s.reduction_dim) for s in ss if qr.weight}
             act = qr.act if ss[0].act else None
@@ -213,6 +228,8 @@ def unprepare(model: nn.Module) -> None:
         mod = modules[mname]
         if isinstance(mod.__dict__.get("grouped_mm"), GroupedSeam):
             mod.grouped_mm = plain_grouped_mm
+        if isinstance(mod.__dict__.get("swiglu"), SwigluSeam):
+            mod.swiglu = plain_swiglu
         mod.__dict__.pop("forward", None)
     delattr(model, _STATE_ATTR)
 

@@ -15,8 +15,8 @@ micro-batch, runs the one-pass quantize with the amax given. The amax is exact, 
 the same bits as computing it in place. Writes through `param.data` bypass the version counter
 (and so the cache): call `clear_amax_cache()` after them.
 
-Every fake quantization (STE forward and `fake_quant_reference`) passes through one seam,
-`register_fake_quant_hook`: observers outside qat (the trainer's fake-quant timer) wrap the call
+Every fake quantization (STE forward, `fake_quant_reference`, the fused SwiGLU's) passes through
+one seam, `register_fake_quant_hook`: observers outside qat (the trainer's fake-quant timer) wrap the call
 without patching this module. The STE backward is the identity and passes no hook.
 """
 
@@ -172,7 +172,12 @@ def _fake_quant(x: torch.Tensor, recipe: Recipe, dim: int, per_leading: bool,
         # the kernels would keep a bf16 input's unrounded fp32 values, the reference not
         raise ValueError(f"fake quantization narrows fp32 to out_dtype; got a {x.dtype} input "
                          f"and out_dtype={out_dtype}")
-    call = partial(_fq, x, recipe, dim, per_leading, out_dtype)
+    return hooked(partial(_fq, x, recipe, dim, per_leading, out_dtype), x)
+
+
+def hooked(call: Callable[[], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``call()``, a fake quantization of ``x``, through the registered hooks: the one seam
+    every fake quantization passes, here and in the fused SwiGLU of ``workbench.qat.grouped``."""
     if not _HOOKS or torch.compiler.is_compiling():
         return call()
     for hook in reversed(tuple(_HOOKS.values())):  # innermost first, so the first is outermost
