@@ -86,10 +86,12 @@ def _peak_gib(dev: torch.device) -> float:
 _INIT: dict = {}
 
 
-def run_config(args, recipe: str, deterministic: bool, info, tokens, nan_fill: bool = True) -> dict:
+def run_config(args, recipe: str, deterministic: bool, info, tokens, nan_fill: bool = True,
+               fused: bool = True, profile: int = 0) -> dict:
+    from workbench.qat import prepare, unprepare
     from workbench.recipe import RecipeError, parse_qat_recipe
     from workbench.train.args import config_from_args
-    from workbench.train.build import build
+    from workbench.train.build import QAT_SCOPE, build
     from workbench.train.fqtime import FakeQuantTimer
     from workbench.train.loop import train_step
 
@@ -116,6 +118,10 @@ def run_config(args, recipe: str, deterministic: bool, info, tokens, nan_fill: b
         _INIT["sd"] = {k: v.detach().clone() for k, v in build(cfg, info).model.state_dict().items()}
     b = build(cfg, info, resuming=True)
     b.model.load_state_dict(_INIT["sd"])
+    if not fused and b.qat_report is not None:
+        # the same masters and optimizer, the down projection quantizing its input itself
+        unprepare(b.model)
+        prepare(b.model, cfg.qat_recipe, QAT_SCOPE, fuse_swiglu=False)
     build_s = time.perf_counter() - t0
     flops_tok, n_active = model_flops_per_token(b.model, cfg.seq)
     recs = []
@@ -123,7 +129,9 @@ def run_config(args, recipe: str, deterministic: bool, info, tokens, nan_fill: b
     with FakeQuantTimer() as timer:
         for step in range(1, cfg.steps + 1):
             recs.append(train_step(b.model, b.opt, b.sched, tokens, cfg, info, step, timer))
-    peak = _peak_gib(info.device)
+        peak = _peak_gib(info.device)
+        kernels = _profile(profile, lambda step: train_step(
+            b.model, b.opt, b.sched, tokens, cfg, info, cfg.steps + step, timer), info.device)
     del b
     gc.collect()
     if info.device.type == "cuda":
@@ -133,13 +141,96 @@ def run_config(args, recipe: str, deterministic: bool, info, tokens, nan_fill: b
     tokens_step = cfg.batch * cfg.seq
     torch.utils.deterministic.fill_uninitialized_memory = True
     return {"recipe": recipe, "deterministic": deterministic, "nan_fill": nan_fill,
-            "build_s": build_s,
+            "fused_swiglu": fused, "build_s": build_s, "kernels": kernels,
             "ms_per_step": dt * 1e3, "tokens_per_s_per_gpu": tokens_step / dt / info.world,
             "mfu": flops_tok * tokens_step / dt / info.world / H200_BF16_PEAK,
             "model_tflop_per_step": flops_tok * tokens_step / 1e12, "n_active": n_active,
             "peak_gib": peak,
             "fake_quant_share": statistics.median(r.get("fake_quant_share", 0.0) for r in timed),
             "losses": [r["loss"] for r in recs]}
+
+
+def _profile(n: int, step, dev: torch.device) -> dict | None:
+    """``n`` more steps under torch.profiler: {"wall_ms", "busy_ms", "kernels": {name: ms}},
+    per step. On a GPU, busy is the sum of kernel durations (one stream: the time the GPU
+    worked), so wall - busy is time the GPU waited for the host. On a CPU (dry runs) the
+    "kernels" are the top-level ops' self times."""
+    if n <= 0:
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for i in range(1, n + 1):
+            step(i)  # ends in the step's own host synchronisation (the loss .item())
+        wall = time.perf_counter() - t0
+    want = DeviceType.CUDA if dev.type == "cuda" else DeviceType.CPU
+    per: dict[str, float] = {}
+    launches = 0
+    for e in prof.events():
+        # user annotations (record_function ranges, e.g. "Optimizer.step#AdamW.step") also have
+        # a GPU-side twin: a range over other kernels, not work of its own
+        if e.device_type != want or getattr(e, "is_user_annotation", False) \
+                or (want == DeviceType.CPU and e.cpu_parent is not None):
+            continue
+        us = e.time_range.elapsed_us() if want == DeviceType.CUDA else e.self_cpu_time_total
+        per[e.name] = per.get(e.name, 0.0) + us / 1e3 / n
+        launches += 1
+    # the same GPU time by the op that launched it (aten::copy_, aten::pow, our autograd
+    # Functions, record_function ranges such as the optimizer step), to tell kernels apart
+    # whose templated names look alike
+    attr = "self_device_time_total" if want == DeviceType.CUDA else "self_cpu_time_total"
+    ops = {a.key: getattr(a, attr) / 1e3 / n for a in prof.key_averages()
+           if getattr(a, attr, 0) > 0}
+    return {"wall_ms": wall * 1e3 / n, "busy_ms": sum(per.values()), "launches": launches / n,
+            "kernels": per, "ops": ops}
+
+
+def _short(name: str, width: int = 70) -> str:
+    name = name.split("(")[0] if name.startswith("void ") else name
+    return name if len(name) <= width else name[:width - 3] + "..."
+
+
+def _ab_table(rows: list[dict]) -> str:
+    """The SwiGLU fusion A/B: step times, and where profiled, GPU busy time and the kernels
+    whose time per step moved most between the fused and unfused runs of each recipe."""
+    out = ["| recipe | fused SwiGLU | ms/step | profiled wall ms/step | GPU busy ms/step |"
+           " kernels/step |", "|---|---|---|---|---|---|"]
+    ab = [r for r in rows if "error" not in r and r.get("ab")]
+    for r in ab:
+        k = r.get("kernels") or {}
+        out.append(f"| {r['recipe']} | {r['fused_swiglu']} | {r['ms_per_step']:.1f} | "
+                   f"{k.get('wall_ms', float('nan')):.1f} | {k.get('busy_ms', float('nan')):.2f} | "
+                   f"{k.get('launches', float('nan')):.0f} |")
+    for recipe in dict.fromkeys(r["recipe"] for r in ab):
+        on = next((r["kernels"] for r in ab if r["recipe"] == recipe and r["fused_swiglu"]
+                   and r.get("kernels")), None)
+        off = next((r["kernels"] for r in ab if r["recipe"] == recipe and not r["fused_swiglu"]
+                    and r.get("kernels")), None)
+        if on is None or off is None:
+            continue
+        names = set(on["kernels"]) | set(off["kernels"])
+        moved = sorted(names, key=lambda n: -abs(on["kernels"].get(n, 0) - off["kernels"].get(n, 0)))
+        out += ["", f"{recipe}: kernels whose time moved most (ms per step; busy fused "
+                f"{on['busy_ms']:.2f} vs unfused {off['busy_ms']:.2f})", "",
+                "| kernel | fused | unfused | fused - unfused |", "|---|---|---|---|"]
+        for n in moved[:12]:
+            a, b = on["kernels"].get(n, 0.0), off["kernels"].get(n, 0.0)
+            out.append(f"| `{_short(n)}` | {a:.3f} | {b:.3f} | {a - b:+.3f} |")
+    return "\n".join(out)
+
+
+def _where_table(row: dict, top: int = 15) -> str:
+    """Where a profiled step's GPU time goes, by the op that launched the kernels."""
+    k = row["kernels"]
+    ops = sorted(k["ops"].items(), key=lambda kv: -kv[1])[:top]
+    lines = [f"{row['recipe']} (fused SwiGLU {row['fused_swiglu']}): GPU busy {k['busy_ms']:.1f} ms "
+             f"of {k['wall_ms']:.1f} ms per profiled step", "",
+             "| op (launcher) | GPU ms/step | share of busy |", "|---|---|---|"]
+    lines += [f"| `{_short(name)}` | {ms:.2f} | {100 * ms / k['busy_ms']:.1f}% |" for name, ms in ops]
+    return "\n".join(lines)
 
 
 def _table(rows: list[dict], base: dict) -> str:
@@ -164,6 +255,18 @@ def _table(rows: list[dict], base: dict) -> str:
     return "\n".join(lines)
 
 
+def _fusable(recipe: str) -> bool:
+    """Whether the fused SwiGLU serves this recipe's activations (an MX format)."""
+    from workbench.formats import format_spec
+    from workbench.recipe import RecipeError, parse_qat_recipe
+
+    try:
+        act = parse_qat_recipe(recipe).act
+    except RecipeError:
+        return False
+    return act is not None and format_spec(act.fmt).scale == "e8m0"
+
+
 def _max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
@@ -178,6 +281,12 @@ def main(argv=None) -> int:
     ap.add_argument("--recipes", default=",".join(QAT_RECIPES), help="QAT recipes besides bf16")
     ap.add_argument("--qat-deterministic", action="store_true",
                     help="also time every QAT recipe with deterministic mode on")
+    ap.add_argument("--swiglu-ab", action="store_true",
+                    help="time the recipes whose activations the fused SwiGLU serves (MX) again "
+                         "fused, unfused, fused, and add the A/B table")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after each configuration's timed steps, N more under torch.profiler: "
+                         "GPU busy time and kernel times per step (in the JSON and the A/B table)")
     args = ap.parse_args(argv)
 
     from workbench.train import distributed
@@ -198,19 +307,31 @@ def main(argv=None) -> int:
         pass
     if info.is_main:
         print("[bench_train_gpu] " + json.dumps(meta), flush=True)
-    plan = [("bf16", False, True), ("bf16", True, True), ("bf16", True, True),
-            ("bf16", False, True), ("bf16", True, False)]
-    plan += [(r, False, True) for r in args.recipes.split(",") if r]
+    recipes = [r for r in args.recipes.split(",") if r]
+    # (recipe, deterministic, NaN fill, fused SwiGLU, part of the A/B)
+    plan = [("bf16", False, True, True, False), ("bf16", True, True, True, False),
+            ("bf16", True, True, True, False), ("bf16", False, True, True, False),
+            ("bf16", True, False, True, False)]
+    plan += [(r, False, True, True, False) for r in recipes]
     if args.qat_deterministic:
-        plan += [(r, True, True) for r in args.recipes.split(",") if r]
+        plan += [(r, True, True, True, False) for r in recipes]
+    if args.swiglu_ab:
+        # interleaved, so drift over the run shows as fused-vs-fused spread
+        plan += [(r, False, True, f, True) for r in recipes if _fusable(r)
+                 for f in (True, False, True)]
+        plan += [("bf16", False, True, True, True)]
     from tqdm.auto import tqdm
 
     rows = []
-    for recipe, det, fill in tqdm(plan, desc="configurations", disable=not info.is_main):
-        rows.append(run_config(args, recipe, det, info, tokens, nan_fill=fill))
+    for recipe, det, fill, fused, ab in tqdm(plan, desc="configurations", disable=not info.is_main):
+        # with the A/B, only its rows are profiled (the profiler's own cost stays out of the rest)
+        prof = args.profile if ab or not args.swiglu_ab else 0
+        rows.append(run_config(args, recipe, det, info, tokens, nan_fill=fill, fused=fused,
+                               profile=prof))
         r = rows[-1]
+        r["ab"] = ab
         if info.is_main:
-            print(f"[bench_train_gpu] {recipe} deterministic={det} nan_fill={fill}: "
+            print(f"[bench_train_gpu] {recipe} deterministic={det} nan_fill={fill} fused={fused}: "
                   + (r["error"] if "error" in r else
                      f"{r['ms_per_step']:.1f} ms/step, build {r['build_s']:.0f} s, "
                      f"peak {r['peak_gib']:.1f} GiB"), flush=True)
@@ -221,8 +342,14 @@ def main(argv=None) -> int:
              "deterministic_max_abs_diff": _max_diff(on_a["losses"], on_b["losses"]),
              "nondeterministic_identical": off_a["losses"] == off_b["losses"],
              "nondeterministic_max_abs_diff": _max_diff(off_a["losses"], off_b["losses"])}
-    shown = [rows[0], rows[1], rows[4]] + rows[5:]
+    shown = [rows[0], rows[1], rows[4]] + [r for r in rows[5:] if not r["ab"]]
     table = _table(shown, off_a)
+    if args.swiglu_ab:
+        table += "\n\nSwiGLU fusion A/B (same process, interleaved)\n\n" + _ab_table(rows)
+    for name in ("bf16", next((r for r in recipes if _fusable(r)), None)):
+        prof = next((r for r in rows if r["recipe"] == name and r.get("kernels")), None)
+        if prof is not None:
+            table += "\n\n" + _where_table(prof)
     # The trainer's deterministic mode leaves PyTorch's NaN fill of new memory off
     # (workbench.train.determinism): rows[4] is that mode; rows[1] adds the fill.
     det_cost = rows[4]["ms_per_step"] / off_a["ms_per_step"]

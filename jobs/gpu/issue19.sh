@@ -19,6 +19,8 @@
 #   bash jobs/gpu/issue19.sh
 #   STAGES=ep2 bash jobs/gpu/issue19.sh          # the resume check alone, if the first call ran out
 #   STAGES=moe,train bash jobs/gpu/issue19.sh    # a subset; EP1_STEPS / TRAIN_ARGS override sizes
+#   STAGES=train TRAIN_T=400 TRAIN_ARGS="--swiglu-ab --profile 3" bash jobs/gpu/issue19.sh
+#                                                # the fused SwiGLU's trainer A/B with kernel times
 #   DRY_RUN=cpu bash jobs/gpu/issue19.sh         # every stage at CPU sizes (tiny preset, --cpu)
 set -uo pipefail
 JOB_NAME=issue19
@@ -65,7 +67,7 @@ fi
 if [[ $STAGES == *train* ]]; then
   stamp "bench_train_gpu"
   # tqdm bars (carriage returns) stay in the log only
-  timeout 210 "$PY" jobs/bench_train_gpu.py "${TRAIN[@]}" 2>&1 | tee "$OUT/bench_train_gpu.log" \
+  timeout "${TRAIN_T:-210}" "$PY" jobs/bench_train_gpu.py "${TRAIN[@]}" 2>&1 | tee "$OUT/bench_train_gpu.log" \
     | grep -av $'\r'
 fi
 if [[ $STAGES == *ep2* ]]; then

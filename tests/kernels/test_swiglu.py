@@ -261,6 +261,9 @@ def test_seam_is_installed_for_activation_recipes_and_removed_by_unprepare():
     assert isinstance(m.experts.swiglu, SwigluSeam)
     unprepare(m)
     assert m.experts.swiglu is plain
+    prepare(m, "mxfp4+mxfp8", SCOPE, fuse_swiglu=False)  # the A/B's unfused side
+    assert m.experts.swiglu is plain
+    unprepare(m)
     # CPU without the interpreter's help: the plain SwiGLU, and the down projection quantizes
     g, u = _operands("cpu")
     assert torch.equal(qg.swiglu(g, u, act="mxfp8_e4m3"), F.silu(g) * u)

@@ -160,8 +160,12 @@ def _resolve_scope(scope, names):
 
 
 def prepare(model: nn.Module, recipe: str | QATRecipe = "mxfp4", scope="routed-experts", *,
-            profile: str | None = None) -> PrepareReport:
-    """Fake-quantize the scoped weights (and activations) of ``model`` in place; see module doc."""
+            profile: str | None = None, fuse_swiglu: bool = True) -> PrepareReport:
+    """Fake-quantize the scoped weights (and activations) of ``model`` in place; see module doc.
+
+    ``fuse_swiglu=False`` keeps the experts' plain SwiGLU, so the down projection quantizes its
+    input itself: the same bits either way (the fused kernels are tested against it), for
+    measuring what the fusion buys (``jobs/bench_train_gpu.py --swiglu-ab``)."""
     qr = parse_qat_recipe(recipe, profile)
     if qr.is_bf16:
         raise ValueError("recipe 'bf16' fake-quantizes nothing: skip prepare() for the baseline")
@@ -203,7 +207,7 @@ def prepare(model: nn.Module, recipe: str | QATRecipe = "mxfp4", scope="routed-e
             mod.grouped_mm = GroupedSeam(
                 [(p, qr.weight if n in scoped else None)
                  for n, p in mod.named_parameters(recurse=False) if p.dim() == 3], qr.act)
-            if qr.act is not None and mod.__dict__.get("swiglu") is plain_swiglu:
+            if fuse_swiglu and qr.act is not None and mod.__dict__.get("swiglu") is plain_swiglu:
                 mod.swiglu = SwigluSeam(qr.act)
         else:
             weights = {s.param: (qr.weight, s.reduction_dim) for s in ss if qr.weight}
