@@ -130,7 +130,7 @@ def run_config(args, recipe: str, deterministic: bool, info, tokens, nan_fill: b
         for step in range(1, cfg.steps + 1):
             recs.append(train_step(b.model, b.opt, b.sched, tokens, cfg, info, step, timer))
         peak = _peak_gib(info.device)
-        kernels = _profile(profile, lambda step: train_step(
+        kernels = _profile(profile, lambda step, b=b: train_step(
             b.model, b.opt, b.sched, tokens, cfg, info, cfg.steps + step, timer), info.device)
     del b
     gc.collect()

@@ -1,5 +1,6 @@
-"""Which CONTRACT of the fused AdamW update (workbench/kernels/_adamw_kernel.py) is torch's CUDA
-addcdiv bit for bit: K steps of torch.optim.AdamW(foreach=False) against
+"""Which rounding switches of the fused AdamW kernels (workbench/kernels/_adamw_kernel.py) give
+torch's CUDA bits. First the last-op kernel's CONTRACT against torch's CUDA addcdiv: K steps of
+torch.optim.AdamW(foreach=False) against
 workbench.train.optim.AdamW on the fused path, both CONTRACT values, bf16 and fp32 expert stacks
 (values near overflow and underflow, an all-zero expert, a NaN and an inf in the gradients).
 
@@ -9,7 +10,10 @@ One line per (dtype, CONTRACT): differing elements of params / exp_avg / exp_avg
 to NaN; NaN payloads counted apart), and whether every seeded amax equals
 ``p.abs().amax(dim=(-2, -1), keepdim=True).float()`` bitwise, NaN payload included. Keep the
 CONTRACT whose lines read params 0 for both dtypes (exp_avg / exp_avg_sq are torch's ops on both
-paths and must read 0 everywhere). The last line names it, or says neither matched. Exit 0.
+paths and must read 0 everywhere); a line names it, or says neither matched. Then the whole-step
+kernel (fp32): every combination of its four switches (LERP_FMA, ADDCMUL_FMA, DIV_RECIP,
+CONTRACT in workbench/kernels/adamw.py), one line each, and whether the module's defaults are a
+combination that gave torch's bits. Exit 0.
 """
 
 from __future__ import annotations
@@ -61,7 +65,9 @@ def run(dtype, contract, args):
     shape = (args.experts, args.rows, args.cols)
     w = nn.Parameter(_stack(dtype, *shape).cuda())
     ref_w = nn.Parameter(_stack(dtype, *shape).cuda())
-    ours = AdamW([w], lr=1e-2, weight_decay=0.1, foreach=False, contract=contract)
+    # whole_step=False: the last-op kernel for fp32 too (the whole step has its own sweep)
+    ours = AdamW([w], lr=1e-2, weight_decay=0.1, foreach=False, contract=contract,
+                 whole_step=False)
     ref = torch.optim.AdamW([ref_w], lr=1e-2, weight_decay=0.1, foreach=False)
     recipe = parse_recipe("nvfp4:torchao")
     calls = []
@@ -101,6 +107,37 @@ def run(dtype, contract, args):
     return p == 0 and m == 0 and v == 0, amax_ok
 
 
+SWITCHES = ("lerp_fma", "addcmul_fma", "div_recip", "contract")
+
+
+def run_whole(switches: dict, args) -> tuple[int, int, int]:
+    """``kernels.adamw_step_`` with these rounding switches against torch.optim.AdamW
+    (foreach=False) on an fp32 stack: differing params / exp_avg / exp_avg_sq over the steps,
+    each step started from torch's state (so each count is one step's rounding)."""
+    from workbench import kernels
+
+    shape = (args.experts, args.rows, args.cols)
+    ref_w = nn.Parameter(_stack(torch.float32, *shape).cuda())
+    ref = torch.optim.AdamW([ref_w], lr=1e-2, betas=(0.9, 0.999), weight_decay=0.1,
+                            foreach=False)
+    p_d = m_d = v_d = 0
+    for step in range(args.steps):
+        ref_w.grad = _grad(torch.float32, shape, step)
+        st = ref.state.get(ref_w, {})
+        p = ref_w.detach().clone()
+        m = st["exp_avg"].clone() if st else torch.zeros_like(p)
+        v = st["exp_avg_sq"].clone() if st else torch.zeros_like(p)
+        n = (st["step"].item() if st else 0) + 1
+        kernels.adamw_step_(p, ref_w.grad, m, v, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                            weight_decay=0.1, step=n, amax=True, **switches)
+        ref.step()
+        p_d += sum(_diff(p, ref_w.detach()))
+        m_d += sum(_diff(m, ref.state[ref_w]["exp_avg"]))
+        v_d += sum(_diff(v, ref.state[ref_w]["exp_avg_sq"]))
+    torch.cuda.synchronize()
+    return p_d, m_d, v_d
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=5)
@@ -123,6 +160,24 @@ def main() -> int:
     print("keep CONTRACT=" + "/".join(map(str, keep)) if keep else
           "neither CONTRACT matches torch bit for bit", "; seeded amax exact:",
           {c: b for c, (_, b) in matches.items()})
+    # the whole-step kernel (fp32 masters): every combination of its rounding switches
+    import itertools
+
+    from workbench.kernels import adamw as kadamw
+
+    print("\nwhole step (kernels.adamw_step_, fp32): differing params / exp_avg / exp_avg_sq")
+    good = []
+    for combo in itertools.product((True, False), repeat=len(SWITCHES)):
+        sw = dict(zip(SWITCHES, combo))
+        p, m, v = run_whole(sw, args)
+        flag = "  <- torch's bits" if p == m == v == 0 else ""
+        print("  " + " ".join(f"{k}={val!s:5s}" for k, val in sw.items())
+              + f"  params {p:7d}  exp_avg {m:7d}  exp_avg_sq {v:7d}{flag}", flush=True)
+        if p == m == v == 0:
+            good.append(sw)
+    default = {k: getattr(kadamw, k.upper()) for k in SWITCHES}
+    print("whole step matches torch with:", good or "no combination",
+          "; the module's defaults", default, "match" if default in good else "DO NOT match")
     return 0
 
 

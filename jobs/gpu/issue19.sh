@@ -6,6 +6,8 @@
 #          combine (the full kernel suite: tests/kernels/run_gpu.sh)       -> $OUT/tests.log
 #   bits   jobs/gpu/swiglu_bits.py: the fused SwiGLU kernels against torch's CUDA ops, every
 #          bf16 gate value (and which CONTRACT is torch's silu_backward)  -> $OUT/swiglu_bits.log
+#          jobs/gpu/adamw_bits.py: the fused AdamW kernels' rounding switches against torch's
+#          CUDA AdamW (the last op's CONTRACT, every whole-step combination) -> $OUT/adamw_bits.log
 #   moe    jobs/bench_qat_moe.py --k3: QAT expert layer vs BF16, three variants (MOE_VARIANTS):
 #          plain (one-element weight update), optimizer (--optimizer: AdamW each step, goal on the
 #          fwd+bwd span), fp32 (--optimizer --masters fp32)
@@ -43,12 +45,14 @@ if [[ $STAGES == *tests* ]]; then
   stamp "tests"
   timeout "$TESTS_T" "$PY" -m pytest tests/kernels/test_amax_cache_gpu.py tests/kernels/test_grouped_gpu.py \
     tests/kernels/test_swiglu.py tests/kernels/test_codecs.py tests/kernels/test_dispatch.py tests/model/test_model_gpu.py tests/qat/test_amax_cache.py \
-    tests/train/test_deterministic_combine.py -q -rfE -p no:cacheprovider 2>&1 \
+    tests/train/test_deterministic_combine.py tests/train/test_optim_gpu.py -q -rfE -p no:cacheprovider 2>&1 \
     | tee "$OUT/tests.log" | tail -15
 fi
 if [[ $STAGES == *bits* ]] && [ "${DRY_RUN:-}" != cpu ]; then
   stamp "swiglu_bits"
   timeout 60 "$PY" jobs/gpu/swiglu_bits.py 2>&1 | tee "$OUT/swiglu_bits.log"
+  stamp "adamw_bits"
+  timeout 120 "$PY" jobs/gpu/adamw_bits.py 2>&1 | tee "$OUT/adamw_bits.log"
 fi
 if [[ $STAGES == *moe* ]]; then
   for variant in ${MOE_VARIANTS//,/ }; do

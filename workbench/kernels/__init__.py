@@ -2,7 +2,7 @@
 the QAT grouped GEMM. Triton is imported on first use; without it, calls raise
 ``TritonUnavailable`` naming the ``gpu`` extra and ``workbench.qat`` keeps the reference path."""
 
-from .adamw import addcdiv_amax_
+from .adamw import adamw_step_, addcdiv_amax_
 from .api import (
            SUPPORTED,
            TritonUnavailable,
@@ -16,7 +16,8 @@ from .api import (
            supports,
 )
 
-__all__ = ["SUPPORTED", "TritonUnavailable", "addcdiv_amax_", "available", "fake_quantize",
+__all__ = ["SUPPORTED", "TritonUnavailable", "adamw_step_", "addcdiv_amax_", "available",
+           "fake_quantize",
            "fake_quantize_experts", "global_amax",
            "quantize", "silu_mul_backward",
            "silu_mul_fake_quantize", "supports"]

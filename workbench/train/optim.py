@@ -8,14 +8,18 @@ reduce their abs-max on the way out and hand it to the fake quantization
 stored, rounded values, NaN propagating as `w.abs().amax()`), not delayed, so the fake-quantized
 bits are the same as before.
 
-Everything else is torch's single-tensor AdamW (`torch.optim.adam._single_tensor_adam`,
-decoupled weight decay), op for op, on the state torch's `_init_group` creates, so state dicts,
+The arithmetic is torch's single-tensor AdamW (`torch.optim.adam._single_tensor_adam`,
+decoupled weight decay), on the state torch's `_init_group` creates, so state dicts,
 `workbench.train.checkpointing` and DCP checkpoints are interchangeable with
-`torch.optim.AdamW(foreach=False)`. On CPU, for DTensor parameters and for parameters whose amax
-no fake quantization asked for (`ste.amax_wanted`), it runs torch's ops unchanged and computes no
-amax. On the fused path only the last op, `param.addcdiv_(exp_avg, denom, value=-step_size)`,
-runs in `workbench.kernels.addcdiv_amax_`, mirroring torch's CUDA addcdiv arithmetic
-(jobs/gpu/adamw_bits.py checks the bits on a GPU).
+`torch.optim.AdamW(foreach=False)`. Where it runs:
+- fp32 parameters on a GPU (the trainer's masters): the whole step in one Triton kernel,
+  `workbench.kernels.adamw_step_`, which mirrors torch's CUDA rounding op for op (torch's eight
+  elementwise kernels move 84 bytes per element, this one 28; jobs/gpu/adamw_bits.py checks the
+  bits) and, for a wanted NVFP4 stack, reduces its amax on the way out;
+- bf16 expert stacks whose amax is wanted: torch's ops, then the last one,
+  `param.addcdiv_(exp_avg, denom, value=-step_size)`, in `workbench.kernels.addcdiv_amax_`;
+- everything else (CPU, DTensor parameters, `whole_step=False`, `amax_path="never"`): torch's
+  ops unchanged, and no amax.
 
 Only what the trainer uses is supported: float lr and betas; amsgrad, maximize, foreach, fused,
 capturable and differentiable off (foreach/fused None means off here). Anything else raises a
@@ -58,15 +62,19 @@ class AdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` (single-tensor arithmetic) whose update of a wanted NVFP4 expert
     stack seeds that stack's per-expert amax; see the module doc.
 
-    ``amax_path``: one of ``AMAX_PATHS`` (default "auto"). ``contract``: the fused kernel's
-    multiply-add as one fma (True) or a multiply then an add; which one is torch's CUDA bits is
-    what jobs/gpu/adamw_bits.py measures."""
+    ``amax_path``: one of ``AMAX_PATHS`` (default "auto"); it also says where ``whole_step``
+    may run. ``whole_step``: fp32 parameters take the whole update in one kernel
+    (``kernels.adamw_step_``, torch's CUDA bits), an NVFP4 stack's amax included; False keeps
+    torch's ops for all but the amax-producing last op. ``contract``: the fused kernels'
+    last multiply-add as one fma (True) or a multiply then an add; which one is torch's CUDA
+    bits is what jobs/gpu/adamw_bits.py measures."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False,
                  differentiable: bool = False, fused: bool | None = None,
-                 amax_path: str = "auto", contract: bool = True) -> None:
+                 amax_path: str = "auto", contract: bool = True,
+                 whole_step: bool = True) -> None:
         if amax_path not in AMAX_PATHS:
             raise ValueError(f"amax_path must be one of {AMAX_PATHS}, got {amax_path!r}")
         _check_group({"lr": lr, "betas": betas, "amsgrad": amsgrad, "maximize": maximize,
@@ -74,6 +82,7 @@ class AdamW(torch.optim.AdamW):
                       "differentiable": differentiable, "fused": fused})
         self.amax_path = amax_path
         self.contract = bool(contract)
+        self.whole_step = bool(whole_step)
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          foreach=foreach, capturable=capturable, differentiable=differentiable,
                          fused=fused)
@@ -85,6 +94,24 @@ class AdamW(torch.optim.AdamW):
         except ValueError:
             self.param_groups.pop()
             raise
+
+    def _whole(self, p: torch.Tensor, *state: torch.Tensor) -> bool:
+        """Whether this parameter's whole update runs in one kernel (``kernels.adamw_step_``)."""
+        if not self.whole_step or self.amax_path == "never" or type(p.data) is not torch.Tensor:
+            return False
+        if not (p.is_cuda or self.amax_path == "always") or p.numel() == 0:
+            return False
+        if not all(type(t.data) is torch.Tensor and t.dtype == torch.float32 and t.is_contiguous()
+                   and t.shape == p.shape for t in (p, *state)):
+            return False
+        whole = kernels.available()
+        key = f"{p.device.type}:{'whole' if whole else 'ops'}"
+        if key not in _LOGGED:
+            _LOGGED.add(key)
+            _log.info("AdamW update of fp32 parameters on %s: %s", p.device.type,
+                      "one Triton kernel per parameter" if whole
+                      else "torch ops (Triton unavailable)")
+        return whole
 
     def _fused(self, p: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor) -> bool:
         """Whether this parameter's update runs in the kernel that also reduces its amax."""
@@ -127,6 +154,19 @@ class AdamW(torch.optim.AdamW):
             for param, grad, exp_avg, exp_avg_sq, step_t in zip(
                     params, grads, exp_avgs, exp_avg_sqs, steps):
                 step_t += 1
+                if self._whole(param, grad, exp_avg, exp_avg_sq):
+                    wanted = param.dim() == 3 and ste.amax_wanted(param)
+                    amax = kernels.adamw_step_(
+                        param.detach(), grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1,
+                        beta2=beta2, eps=eps, weight_decay=wd, step=step_t.item(),
+                        amax=wanted, contract=self.contract)
+                    # raw writes: bump the versions torch's in-place ops would have (the amax
+                    # cache and the activation slot know a tensor's values by its version)
+                    for t in (param, exp_avg, exp_avg_sq):
+                        torch.autograd.graph.increment_version(t)
+                    if wanted:
+                        ste.seed_amax(param, amax)
+                    continue
                 if wd != 0:
                     param.mul_(1 - lr * wd)
                 exp_avg.lerp_(grad, 1 - beta1)
