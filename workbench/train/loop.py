@@ -32,7 +32,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
+from workbench import kernels
 from workbench._io import atomic_write_json
+from workbench.kernels.sumsq import sum_of_squares
 from workbench.train import checkpointing as ckpt
 from workbench.train import distill
 from workbench.train.build import build
@@ -82,6 +84,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _use_sumsq_kernel(g: torch.Tensor) -> bool:
+    """Whether ``g``'s squared norm comes from the one-pass Triton kernel. On an H200, torch's
+    ``g.double().pow(2).sum()`` (an fp64 copy, a pow pass, a reduction: ~36 bytes of traffic per
+    fp32 element) took 31 ms of a 176 ms step of a 3B-parameter model (copy 13.2, pow 12.3, sum
+    5.7); the kernel reads each element once. CPU gradients keep torch's ops, so CPU runs keep
+    their bits; dtypes or layouts the kernel does not take (fp16, non-contiguous) too."""
+    return (g.is_cuda and g.dtype in (torch.float32, torch.bfloat16) and g.is_contiguous()
+            and kernels.available())
+
+
+def _sumsq(g: torch.Tensor) -> torch.Tensor:
+    # the kernel's sum is in another order than torch's: equal within fp64 rounding, not bits
+    return sum_of_squares(g) if _use_sumsq_kernel(g) else g.double().pow(2).sum()
+
+
 def global_grad_norm(model: torch.nn.Module, info: DistInfo) -> torch.Tensor:
     """L2 norm of the full gradient, each element counted once over the world: replicated dense
     grads once (every rank holds the same), sharded grads summed over the ranks. Sharded are the
@@ -101,11 +118,11 @@ def global_grad_norm(model: torch.nn.Module, info: DistInfo) -> torch.Tensor:
             if not all(isinstance(pl, Shard) for pl in g.placements):
                 raise ValueError(f"global_grad_norm: {name}'s gradient is placed "
                                  f"{g.placements}; only sharded DTensor gradients are counted")
-            sharded += g.to_local().double().pow(2).sum()
+            sharded += _sumsq(g.to_local())
         elif is_expert_param(model, name):
-            sharded += g.double().pow(2).sum()
+            sharded += _sumsq(g)
         else:
-            dense += g.double().pow(2).sum()
+            dense += _sumsq(g)
     return (dense + all_reduce_sum(sharded, info)).sqrt()
 
 
@@ -113,10 +130,17 @@ def _clip_(model: torch.nn.Module, norm: torch.Tensor, max_norm: float) -> None:
     if max_norm <= 0:
         return
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
+    # One foreach launch per (device, dtype) instead of one g.mul_ per gradient: a tensor times
+    # a 0-d CUDA tensor takes torch's non-vectorised broadcast kernel (12.0 ms per step of a
+    # 3B-parameter model on an H200). Same bits: each element is one product rounded once to
+    # the gradient's dtype, as mul_ computes it (the coefficient rounded to that dtype first).
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in model.parameters():
         if p.grad is not None:
             g = _local(p.grad)  # a DTensor shard scales in place like any tensor
-            g.mul_(coef.to(g.dtype))
+            groups.setdefault((g.device, g.dtype), []).append(g)
+    for (device, dtype), grads in groups.items():
+        torch._foreach_mul_(grads, coef.to(device=device, dtype=dtype))
 
 
 def _autocast(info: DistInfo):
