@@ -100,6 +100,18 @@ def test_rejects(device):
         sum_of_squares(torch.ones(8, device=device), max_programs=0)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: 4.3 GB past int32 offsets")
+def test_offsets_past_int32_on_gpu():
+    # 2^31 + 4097 bf16 elements: programs past element 2^31 - 1 need 64-bit offsets; ones with
+    # three 3.0s at the end sum to n + 24 exactly (n < 2^53)
+    n = 2**31 + 4097
+    x = torch.ones(n, dtype=torch.bfloat16, device="cuda")
+    x[-3:] = 3.0
+    assert sum_of_squares(x).item() == n + 24
+    del x
+    torch.cuda.empty_cache()
+
+
 # -- the trainer's users ---------------------------------------------------------------------
 
 def _model(seed=0) -> nn.Module:
@@ -124,6 +136,18 @@ def _exact_norm(m: nn.Module) -> float:
 def test_cpu_gradients_keep_torch_ops():
     # the CPU trainer's bits are unchanged: the kernel is for CUDA gradients only
     assert not loop._use_sumsq_kernel(torch.ones(4))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel branch of CUDA gradients")
+def test_cuda_gradients_take_the_kernel(monkeypatch):
+    m = _model().cuda()
+    assert all(loop._use_sumsq_kernel(p.grad) for p in m.parameters())
+    calls = []
+    real = loop.sum_of_squares
+    monkeypatch.setattr(loop, "sum_of_squares", lambda g: calls.append(g.shape) or real(g))
+    got = loop.global_grad_norm(m, _info())
+    assert len(calls) == len(list(m.parameters()))
+    assert math.isclose(got.item(), _exact_norm(m), rel_tol=REL, abs_tol=0.0)
 
 
 def test_grad_norm_through_the_kernel(monkeypatch):
