@@ -123,8 +123,8 @@ def _model(seed=0) -> nn.Module:
     return m
 
 
-def _info() -> DistInfo:
-    return DistInfo(rank=0, world=1, local_rank=0, device=torch.device("cpu"), group=None,
+def _info(device="cpu") -> DistInfo:
+    return DistInfo(rank=0, world=1, local_rank=0, device=torch.device(device), group=None,
                     owns_group=False)
 
 
@@ -145,19 +145,19 @@ def test_cuda_gradients_take_the_kernel(monkeypatch):
     calls = []
     real = loop.sum_of_squares
     monkeypatch.setattr(loop, "sum_of_squares", lambda g: calls.append(g.shape) or real(g))
-    got = loop.global_grad_norm(m, _info())
+    got = loop.global_grad_norm(m, _info("cuda"))
     assert len(calls) == len(list(m.parameters()))
     assert math.isclose(got.item(), _exact_norm(m), rel_tol=REL, abs_tol=0.0)
 
 
-def test_grad_norm_through_the_kernel(monkeypatch):
-    m = _model()
-    cpu = loop.global_grad_norm(m, _info())
-    # the CUDA branch, here run by the interpreter on the CPU gradients
+def test_grad_norm_through_the_kernel(monkeypatch, device):
+    m = _model().to(device)
+    unpatched = loop.global_grad_norm(m, _info(device))
+    # the CUDA branch (on a CPU-only machine run by the interpreter on CPU gradients)
     monkeypatch.setattr(loop, "_use_sumsq_kernel", lambda g: True)
-    via_kernel = loop.global_grad_norm(m, _info())
+    via_kernel = loop.global_grad_norm(m, _info(device))
     want = _exact_norm(m)
-    for got in (cpu, via_kernel):
+    for got in (unpatched, via_kernel):
         assert math.isclose(got.item(), want, rel_tol=REL, abs_tol=0.0), (got.item(), want)
 
 
