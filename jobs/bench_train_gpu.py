@@ -161,7 +161,8 @@ def _profile(n: int, step, dev: torch.device) -> dict | None:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    # shapes, to tell which tensors the copies are (the profiled steps are not the timed ones)
+    with profile(activities=acts, record_shapes=True) as prof:
         t0 = time.perf_counter()
         for i in range(1, n + 1):
             step(i)  # ends in the step's own host synchronisation (the loss .item())
@@ -185,7 +186,26 @@ def _profile(n: int, step, dev: torch.device) -> dict | None:
     ops = {a.key: getattr(a, attr) / 1e3 / n for a in prof.key_averages()
            if getattr(a, attr, 0) > 0}
     return {"wall_ms": wall * 1e3 / n, "busy_ms": sum(per.values()), "launches": launches / n,
-            "kernels": per, "ops": ops}
+            "kernels": per, "ops": ops, "copies": _copy_sites(prof, n)}
+
+
+def _copy_sites(prof, n: int) -> dict[str, float]:
+    """GPU ms per step of the kernels ``aten::copy_`` launched, by (the op above the copy, the
+    copy's operand shapes, the kernel): dtype casts of weights and gradients show as their
+    parameters' shapes, and the kernel name says whether the copy took a vectorised path."""
+    sites: dict[str, float] = {}
+    for e in prof.events():
+        if e.name != "aten::copy_" or not getattr(e, "kernels", None):
+            continue
+        up, names = e.cpu_parent, []
+        while up is not None and len(names) < 2:
+            names.append(up.name)
+            up = up.cpu_parent
+        shapes = "x".join(str(list(s)) for s in (e.input_shapes or [])[:2])
+        for k in e.kernels:
+            key = f"{' < '.join(names) or '-'} | {shapes} | {_short(k.name, 48)}"
+            sites[key] = sites.get(key, 0.0) + k.duration / 1e3 / n
+    return sites
 
 
 def _short(name: str, width: int = 70) -> str:
@@ -230,6 +250,13 @@ def _where_table(row: dict, top: int = 15) -> str:
              f"of {k['wall_ms']:.1f} ms per profiled step", "",
              "| op (launcher) | GPU ms/step | share of busy |", "|---|---|---|"]
     lines += [f"| `{_short(name)}` | {ms:.2f} | {100 * ms / k['busy_ms']:.1f}% |" for name, ms in ops]
+    copies = sorted((k.get("copies") or {}).items(), key=lambda kv: -kv[1])[:top]
+    if copies:
+        lines += ["", f"{row['recipe']}: `aten::copy_` by caller, operand shapes and kernel", "",
+                  "| caller < its caller | shapes (dst x src) | kernel | GPU ms/step |",
+                  "|---|---|---|---|"]
+        lines += ["| " + " | ".join(f"`{part.strip()}`" for part in key.split(" | "))
+                  + f" | {ms:.2f} |" for key, ms in copies]
     return "\n".join(lines)
 
 
