@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import json
 import logging
 import os
 import platform
@@ -223,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "analysis_profile_cpu.md").write_text(text + "\n")
+        # the rows unrounded (the table prints two decimals), for comparing runs and for tests
+        (args.out / "analysis_profile_cpu.json").write_text(json.dumps(rows, indent=1) + "\n")
     return 0
 
 

@@ -192,6 +192,7 @@ def test_fractions_are_exact_count_ratios_on_every_path(uncompiled):
     assert grid_mismatch(other, q)["scale_mismatch_frac"] == want
 
 
+@pytest.mark.inductor_cpp
 def test_fused_path_takes_the_compiled_pass_only_where_it_measured_faster(tmp_path, monkeypatch):
     """Without EVERYWHERE, path="fused" runs the compiled graphs only for the pairs in FASTER:
     a BF16 checkpoint under an NVFP4 recipe is compiled, under an MXFP4 recipe batched."""
@@ -236,6 +237,7 @@ def test_reference_errors_skip_the_finite_check_where_batched_is_taken(tmp_path,
     pd.testing.assert_frame_equal(df, want, check_exact=False, rtol=1e-5)  # sums: order only
 
 
+@pytest.mark.inductor_cpp
 def test_recipes_the_compiled_pass_does_not_serve(tmp_path, monkeypatch):
     """compiled.recipe_reason names compressed-tensors' MXFP8 rule, and path="fused" (every graph
     allowed) then computes that recipe batched, still equal to the reference."""
