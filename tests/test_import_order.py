@@ -76,6 +76,8 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
                                                       "imports it, so it loads on first use",
     ("workbench.kernels.sumsq", "workbench.kernels"): "Triton is optional: the kernel module "
                                                       "imports it, so it loads on first use",
+    ("workbench.kernels.cast", "workbench.kernels"): "Triton is optional: the kernel module "
+                                                     "imports it, so it loads on first use",
     ("workbench.kernels.api", "workbench.formats.nvfp4"): DEBT,
     ("workbench.kernels.api", "workbench.formats.nvfp4_profiles"): DEBT,
     ("workbench.launch.handle", "workbench.track.metrics"): LIGHT,

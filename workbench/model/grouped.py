@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from workbench.kernels import grouped as fast
+from workbench.model.cast import autocast_operand
 
 
 def check(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs_E: torch.Tensor) -> None:
@@ -67,7 +68,8 @@ def grouped_mm(x_TI: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor, *,
         # significant bits, and ~93% round here), the same rounding as a bf16 fake quantization
         # (torchao's QAT alike) and at most half a bf16 ulp from the deployed fp32 dequant
         dt = torch.get_autocast_dtype("cuda")
-        x_TI, w_EOI = x_TI.to(dt), w_EOI.to(dt)
+        # (the weight through autocast_operand: the same bits, its gradient widened in one pass)
+        x_TI, w_EOI = x_TI.to(dt), autocast_operand(w_EOI)
     if x_TI.is_cuda and end is not None and fast.usable(x_TI, w_EOI, end):
         if w_EOI.shape[0]:
             torch._assert_async(offs[-1] == end, "grouped_mm: offs[-1] != end")

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.arch import MoEConfig
+from workbench.model.cast import Linear
 
 
 class RMSNorm(nn.Module):
@@ -67,10 +68,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
 
@@ -92,9 +93,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden: int, ffn: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
-        self.up_proj = nn.Linear(hidden, ffn, bias=False)
-        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+        self.gate_proj = Linear(hidden, ffn, bias=False)
+        self.up_proj = Linear(hidden, ffn, bias=False)
+        self.down_proj = Linear(ffn, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

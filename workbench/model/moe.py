@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from workbench.arch import MoEConfig
+from workbench.model.cast import Linear
 from workbench.model.dispatch import LocalDispatcher
 from workbench.model.experts import GroupedExperts
 from workbench.model.layers import SwiGLU
@@ -29,7 +30,7 @@ class MoEBlock(nn.Module):
                                       num_global_experts=cfg.num_experts,
                                       expert_offset=ep_rank * local)
         self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_ffn) if cfg.shared_expert_ffn else None
-        self.shared_expert_gate = (nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.shared_expert_gate = (Linear(cfg.hidden_size, 1, bias=False)
                                    if cfg.shared_expert_gate else None)
         # Not a submodule: holds no parameters and, under EP, a process group.
         self.dispatcher = LocalDispatcher()

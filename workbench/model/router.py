@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from workbench.model.cast import autocast_operand
 from workbench.model.collectives import all_reduce_sum
 
 
@@ -26,7 +27,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (logits_TE, weights_TK in x's dtype, experts_TK int64)."""
-        logits_TE = F.linear(x_TD, self.weight)
+        logits_TE = F.linear(x_TD, autocast_operand(self.weight))
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float)
         top_TK, idx_TK = torch.topk(probs_TE, self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.arch import MoEConfig
+from workbench.model.cast import Linear
 from workbench.model.experts import GroupedExperts
 from workbench.model.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
 from workbench.model.moe import MoEBlock
@@ -83,7 +84,7 @@ class MoEForCausalLM(nn.Module):
         # order of a seeded run. reset_parameters below fills every tensor.
         with torch.device("meta"):
             self.model = MoEModel(cfg, ep_rank=ep_rank, ep_size=ep_size)
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if dtype is not None:
             self.to(dtype=dtype)
         self.to_empty(device=device if device is not None else torch.get_default_device())
