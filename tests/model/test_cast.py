@@ -118,7 +118,7 @@ def test_linear_under_autocast_has_nn_linears_bits(monkeypatch, bias):
     for a, b in zip(*outs):
         if a is not None:
             assert a.dtype == b.dtype and torch.equal(a, b)
-    assert sorted(calls) == sorted([(96, 256)] + ([(96,)] if bias else []))
+    assert calls == [(96, 256)] + ([(96,)] if bias else [])
 
 
 @pytest.mark.skipif(not GPU, reason="CUDA autocast's casts are what is replaced")
@@ -157,20 +157,4 @@ def test_grouped_mm_weight_gradient_bits(monkeypatch):
         (y.float() * gy).sum().backward()
         grads.append((y, wi.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
-    assert calls == [(4, 64, 128)]
-
-
-@pytest.mark.skipif(not GPU, reason="the fake quantization writes a bf16 operand on CUDA")
-def test_fake_quant_of_an_fp32_master_widens_its_gradient(monkeypatch):
-    from workbench.formats import parse_recipe
-    from workbench.qat.ste import fake_quant_ste
-
-    calls = _spy(monkeypatch)
-    w = torch.randn(4, 64, 128, device="cuda", requires_grad=True)
-    y = fake_quant_ste(w, parse_recipe("mxfp4"), dim=-1, per_leading=True,
-                       out_dtype=torch.bfloat16)
-    gy = torch.randn(y.shape, device="cuda").bfloat16()
-    (gw,) = torch.autograd.grad(y, w, gy)
-    # the straight-through gradient: the incoming bf16 gradient, widened exactly
-    assert gw.dtype == torch.float32 and torch.equal(_i32(gw), _i32(gy.float()))
     assert calls == [(4, 64, 128)]

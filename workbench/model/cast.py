@@ -27,19 +27,10 @@ class _MasterCast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor) -> torch.Tensor:
-        return master_grad(g, torch.float32)
-
-
-def master_grad(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``g.to(dtype)``, the backward of a cast from ``dtype``, bit for bit: bf16 -> fp32 in one
-    vectorised pass (``widen_bf16``) where it can run, else torch's copy (e.g. a non-contiguous
-    gradient, a DTensor, another dtype). Also the backward of the QAT fake quantization that
-    writes an fp32 master's bf16 GEMM operand (``workbench.qat.ste``)."""
-    if dtype == torch.float32 and g.dtype == torch.bfloat16 and type(g) is torch.Tensor \
-            and g.is_contiguous() and (g.is_cuda or _interpret()) and available() \
-            and not torch.compiler.is_compiling():
-        return widen_bf16(g)
-    return g.to(dtype)
+        if g.dtype == torch.bfloat16 and type(g) is torch.Tensor and g.is_contiguous() \
+                and (g.is_cuda or _interpret()):
+            return widen_bf16(g)
+        return g.to(torch.float32)  # e.g. a non-contiguous gradient: torch's copy
 
 
 def autocast_operand(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -33,7 +33,6 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from workbench.formats import Recipe, fake_quantize
-from workbench.model.cast import master_grad
 
 _log = logging.getLogger(__name__)
 _LOGGED: set[tuple[str, str, str]] = set()
@@ -194,9 +193,8 @@ class _FakeQuantSTE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # an fp32 master written as bf16 gets its gradient back in fp32, as from a cast (in one
-        # vectorised pass: master_grad)
-        return master_grad(grad, ctx.in_dtype), None, None, None, None
+        # an fp32 master written as bf16 gets its gradient back in fp32, as from a cast
+        return grad.to(ctx.in_dtype), None, None, None, None
 
 
 def fake_quant_ste(x: torch.Tensor, recipe: Recipe, *, dim: int = -1,
