@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .api import _bits, _interpret, _triton, triton_cdiv
+from .api import _bits, _interpret, _require_device, _triton, triton_cdiv
 
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -56,8 +56,7 @@ def addcdiv_amax_(param: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tenso
     if param.dim() < 2 or param.numel() == 0:
         raise ValueError(f"addcdiv_amax_ expects a non-empty [E, ...] stack, got shape "
                          f"{list(param.shape)}")
-    if not (param.is_cuda or _interpret()):
-        raise ValueError("Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
+    _require_device(param)
     k = _kernel()
     n_exp = param.shape[0]
     n_per = param.numel() // n_exp
@@ -103,8 +102,7 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     if param.numel() == 0 or (amax and param.dim() < 2):
         raise ValueError(f"adamw_step_ expects a non-empty tensor (an [E, ...] stack with amax), "
                          f"got shape {list(param.shape)}")
-    if not (param.is_cuda or _interpret()):
-        raise ValueError("Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
+    _require_device(param)
     k = _kernel()
     n_exp = param.shape[0] if amax else 1
     n_per = param.numel() // n_exp

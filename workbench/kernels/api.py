@@ -63,6 +63,12 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _require_device(t: torch.Tensor) -> None:
+    """The one rule of where a kernel runs: CUDA tensors, or any under the interpreter."""
+    if not (t.is_cuda or _interpret()):
+        raise ValueError("Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
+
+
 # The interpreter costs ~5 ms per program: few, big programs (tests lower this to get tiles
 # of both kinds, short path and exact path, in one call).
 _INTERPRET_MAX_NB = 4096
@@ -92,8 +98,7 @@ def _check(x: torch.Tensor, fmt: str, profile: str | None):
     if x.dim() == 0 or x.shape[-1] % spec.block:
         raise ValueError(f"{recipe.fmt} blocks are {spec.block} wide along the last dim; shape "
                          f"{tuple(x.shape)} cannot be blocked (workbench.formats pads with pad=True)")
-    if not (x.is_cuda or _interpret()):
-        raise ValueError("Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
+    _require_device(x)
     return recipe, spec
 
 
@@ -146,8 +151,7 @@ def _swiglu_operands(name: str, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if t.dtype != torch.bfloat16 or t.shape != t0.shape or t.device != t0.device:
             raise ValueError(f"{name} takes bf16 tensors of one shape and device, got "
                              + ", ".join(f"{t.dtype} {list(t.shape)} on {t.device}" for t in ts))
-    if not (t0.is_cuda or _interpret()):
-        raise ValueError("Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
+    _require_device(t0)
     return tuple(t.contiguous() for t in ts)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .api import _interpret, _triton, triton_cdiv
+from .api import _interpret, _require_device, _triton, triton_cdiv
 
 # 2048 elements per program with 4 warps: 16 bf16 per thread (two 16-byte loads, four 16-byte
 # stores); the grid is cdiv(n, 2048) programs (axis 0 holds 2^31 - 1 of them)
@@ -37,8 +37,7 @@ def widen_bf16(x: torch.Tensor, *, block: int | None = None) -> torch.Tensor:
     if not x.is_contiguous():
         raise ValueError(f"widen_bf16: x must be contiguous (shape {list(x.shape)}, stride "
                          f"{list(x.stride())})")
-    if not (x.is_cuda or _interpret()):
-        raise ValueError("Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
+    _require_device(x)
     if block is None:
         block = _INTERPRET_BLOCK if _interpret() else BLOCK
     if block < 16 or block & (block - 1):

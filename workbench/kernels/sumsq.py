@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .api import _bits, _interpret, _triton, triton_cdiv
+from .api import _bits, _interpret, _require_device, _triton, triton_cdiv
 
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -69,8 +69,7 @@ def sum_of_squares(x: torch.Tensor, *, block: int | None = None,
         # a copy would cost another pass; gradients are contiguous
         raise ValueError(f"sum_of_squares: x must be contiguous (shape {list(x.shape)}, stride "
                          f"{list(x.stride())})")
-    if not (x.is_cuda or _interpret()):
-        raise ValueError("Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
+    _require_device(x)
     n = x.numel()
     if n == 0:
         return torch.zeros((), dtype=torch.float64, device=x.device)

@@ -38,6 +38,13 @@ from workbench.qat import ste
 _log = logging.getLogger(__name__)
 _LOGGED: set[str] = set()
 
+
+def _log_path(key: str, what: str, path: str) -> None:
+    """Log once per process which path ``what`` takes (keyed by device and path)."""
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        _log.info("AdamW update of %s: %s", what, path)
+
 # amax_path: where the update of a wanted 3-D stack runs fused with its amax.
 #   "auto"   plain CUDA tensors, when the Triton kernels import (the trainer's setting)
 #   "always" also CPU tensors: the kernel under the Triton interpreter (TRITON_INTERPRET=1), for
@@ -105,12 +112,9 @@ class AdamW(torch.optim.AdamW):
                    and t.shape == p.shape for t in (p, *state)):
             return False
         whole = kernels.available()
-        key = f"{p.device.type}:{'whole' if whole else 'ops'}"
-        if key not in _LOGGED:
-            _LOGGED.add(key)
-            _log.info("AdamW update of fp32 parameters on %s: %s", p.device.type,
-                      "one Triton kernel per parameter" if whole
-                      else "torch ops (Triton unavailable)")
+        _log_path(f"{p.device.type}:{'whole' if whole else 'ops'}",
+                  f"fp32 parameters on {p.device.type}",
+                  "one Triton kernel per parameter" if whole else "torch ops (Triton unavailable)")
         return whole
 
     def _fused(self, p: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor) -> bool:
@@ -124,12 +128,10 @@ class AdamW(torch.optim.AdamW):
         if not all(t.is_contiguous() for t in (p, exp_avg, denom)) or not ste.amax_wanted(p):
             return False
         fused = kernels.available()
-        key = f"{p.device.type}:{'fused' if fused else 'torch'}"
-        if key not in _LOGGED:
-            _LOGGED.add(key)
-            _log.info("AdamW update of NVFP4 expert stacks on %s: %s", p.device.type,
-                      "Triton update + amax (seeds the fake-quant amax)" if fused
-                      else "torch ops (Triton unavailable; the forward computes the amax)")
+        _log_path(f"{p.device.type}:{'fused' if fused else 'torch'}",
+                  f"NVFP4 expert stacks on {p.device.type}",
+                  "Triton update + amax (seeds the fake-quant amax)" if fused
+                  else "torch ops (Triton unavailable; the forward computes the amax)")
         return fused
 
     @torch.no_grad()
