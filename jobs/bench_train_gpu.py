@@ -216,8 +216,8 @@ def _short(name: str, width: int = 70) -> str:
 def _ab_table(rows: list[dict]) -> str:
     """The SwiGLU fusion A/B: step times, and where profiled, GPU busy time and the kernels
     whose time per step moved most between the fused and unfused runs of each recipe."""
-    out = ["| recipe | fused SwiGLU | ms/step | profiled wall ms/step | GPU busy ms/step |"
-           " kernels/step |", "|---|---|---|---|---|---|"]
+    out = [("| recipe | fused SwiGLU | ms/step | profiled wall ms/step | GPU busy ms/step |"
+            " kernels/step |"), "|---|---|---|---|---|---|"]
     ab = [r for r in rows if "error" not in r and r.get("ab")]
     for r in ab:
         k = r.get("kernels") or {}
@@ -233,8 +233,8 @@ def _ab_table(rows: list[dict]) -> str:
             continue
         names = set(on["kernels"]) | set(off["kernels"])
         moved = sorted(names, key=lambda n: -abs(on["kernels"].get(n, 0) - off["kernels"].get(n, 0)))
-        out += ["", f"{recipe}: kernels whose time moved most (ms per step; busy fused "
-                f"{on['busy_ms']:.2f} vs unfused {off['busy_ms']:.2f})", "",
+        out += ["", (f"{recipe}: kernels whose time moved most (ms per step; busy fused "
+                     f"{on['busy_ms']:.2f} vs unfused {off['busy_ms']:.2f})"), "",
                 "| kernel | fused | unfused | fused - unfused |", "|---|---|---|---|"]
         for n in moved[:12]:
             a, b = on["kernels"].get(n, 0.0), off["kernels"].get(n, 0.0)
@@ -246,8 +246,8 @@ def _where_table(row: dict, top: int = 15) -> str:
     """Where a profiled step's GPU time goes, by the op that launched the kernels."""
     k = row["kernels"]
     ops = sorted(k["ops"].items(), key=lambda kv: -kv[1])[:top]
-    lines = [f"{row['recipe']} (fused SwiGLU {row['fused_swiglu']}): GPU busy {k['busy_ms']:.1f} ms "
-             f"of {k['wall_ms']:.1f} ms per profiled step", "",
+    lines = [(f"{row['recipe']} (fused SwiGLU {row['fused_swiglu']}): GPU busy "
+              f"{k['busy_ms']:.1f} ms of {k['wall_ms']:.1f} ms per profiled step"), "",
              "| op (launcher) | GPU ms/step | share of busy |", "|---|---|---|"]
     lines += [f"| `{_short(name)}` | {ms:.2f} | {100 * ms / k['busy_ms']:.1f}% |" for name, ms in ops]
     copies = sorted((k.get("copies") or {}).items(), key=lambda kv: -kv[1])[:top]

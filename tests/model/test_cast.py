@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-import workbench.model.cast as cast
 from workbench.kernels.cast import widen_bf16
+from workbench.model import cast
 from workbench.model.cast import Linear, _MasterCast, autocast_operand
 from workbench.model.grouped import grouped_mm
 

@@ -223,8 +223,8 @@ def _whole_reference(p, g, m, v, *, lr, beta1, beta2, eps, wd, step, lerp_fma, a
     """``adamw_kernel``'s arithmetic written in torch ops, each rounding explicit: fp32 ops for
     the plain ones, an fma as the exact fp64 product and sum rounded to fp32 (the double rounding
     differs from an fma's only on ties of the fp64 sum, absent from random data)."""
-    f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
-    fma = lambda a, b, c: (a.double() * b.double() + c.double()).float()  # noqa: E731
+    f32 = lambda x: torch.tensor(x, dtype=torch.float32)
+    fma = lambda a, b, c: (a.double() * b.double() + c.double()).float()
     bc1, bc2 = 1 - beta1**step, (1 - beta2**step) ** 0.5
     w1, b2, c2, alpha = f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(-(lr / bc1))
     p = p * f32(1 - lr * wd) if wd != 0 else p.clone()
@@ -253,7 +253,7 @@ def test_whole_step_arithmetic(switches):
     m0 = torch.randn(p0.shape, generator=torch.Generator().manual_seed(4)) * 1e-2
     v0 = torch.rand(p0.shape, generator=torch.Generator().manual_seed(5)) * 1e-4
     g = _grad(torch.float32, 2)
-    hyper = dict(lr=0.05, beta1=0.9, beta2=0.999, eps=1e-8, step=3.0)
+    hyper = {"lr": 0.05, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "step": 3.0}
     p, m, v = p0.clone(), m0.clone(), v0.clone()
     amax = kernels.adamw_step_(p, g, m, v, weight_decay=0.1, amax=True, lerp_fma=lerp_fma,
                                addcmul_fma=addcmul_fma, div_recip=div_recip, contract=contract,
@@ -273,7 +273,7 @@ def test_whole_step_lerp_with_a_large_weight_and_no_decay():
     g = torch.Generator().manual_seed(8)
     p0, m0, gr = (torch.randn(2, 8, 32, generator=g) for _ in range(3))
     v0 = torch.rand(2, 8, 32, generator=g)
-    hyper = dict(lr=1e-3, beta1=0.3, beta2=0.99, eps=1e-6, step=1.0)
+    hyper = {"lr": 1e-3, "beta1": 0.3, "beta2": 0.99, "eps": 1e-6, "step": 1.0}
     p, m, v = p0.clone(), m0.clone(), v0.clone()
     assert kernels.adamw_step_(p, gr, m, v, weight_decay=0.0, lerp_fma=False, **hyper) is None
     w = torch.tensor(1 - 0.3, dtype=torch.float32)
@@ -290,7 +290,8 @@ def test_whole_step_lerp_with_a_large_weight_and_no_decay():
 
 def test_whole_step_rejects_what_it_cannot_update():
     p = torch.zeros(2, 4, 16)
-    ok = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1.0)
+    ok = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0,
+          "step": 1.0}
     with pytest.raises(ValueError, match="grad is torch.bfloat16"):
         kernels.adamw_step_(p, p.bfloat16(), p.clone(), p.clone(), **ok)
     with pytest.raises(ValueError, match="exp_avg must be contiguous"):
