@@ -17,7 +17,8 @@ def test_presets_block_reduction_dims_and_build_on_meta(name):
     # Every expert GEMM reduces over hidden (w1, w3) or expert FFN (w2): whole MX/NVFP4 blocks.
     assert cfg.hidden_size % 32 == 0 and cfg.expert_ffn % 32 == 0
     model = MoEForCausalLM(cfg, device="meta")  # the GPU-sized presets cost nothing here
-    w1 = model.model.layers[0].mlp.experts.w1
+    first_moe = next(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
+    w1 = model.model.layers[first_moe].mlp.experts.w1
     assert tuple(w1.shape) == (cfg.num_experts, cfg.expert_ffn, cfg.hidden_size)
 
 
@@ -66,9 +67,10 @@ def test_from_hf_config_rejects_what_the_model_cannot_run():
     base = to_hf_config(tiny()).to_dict()
     with pytest.raises(ValueError, match="sliding"):
         from_hf_config({**base, "use_sliding_window": True})
-    with pytest.raises(ValueError, match="rope_type"):
-        from_hf_config({**base, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
-                                                    "rope_theta": 1e6}})
+    with pytest.raises(ValueError, match="rope_type 'llama3'"):
+        from_hf_config({**base, "rope_parameters": {
+            "rope_type": "llama3", "factor": 8.0, "rope_theta": 1e6, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})
     with pytest.raises(ValueError, match="qwen3_moe"):
         from_hf_config(transformers.LlamaConfig().to_dict())
     with pytest.raises(ValueError, match="shared expert"):

@@ -4,18 +4,25 @@ Legend: T routed rows (token copies sorted by expert), D hidden, F expert FFN, E
 
 `w1` (gate) and `w3` (up) are [E, F, D], `w2` (down) is [E, D, F]: Linear convention
 [E, out, in], so each block-scaled format blocks the last (reduction) dim of every weight.
-The forward calls only `self.grouped_mm(x_TD, w_EOI, offs_E)` and `self.swiglu(g_TF, u_TF)`; QAT
-replaces those attributes on the instance (never the parameters), so masters, state_dict and
-optimizer state stay untouched. The SwiGLU is a seam of its own because it sits between two
-GEMMs: QAT fuses the down projection's activation fake quantization into it on a GPU.
+Optional per-expert biases (gpt-oss) `b1`, `b3` [E, F] and `b2` [E, D] are added to each routed
+row's gate, up and down outputs. `act(g, u)` is the activation between the two GEMMs: `swiglu`,
+or gpt-oss's `ClampedSwiGLU`.
+The forward calls only `self.grouped_mm(x_TD, w_EOI, offs_E)` and, for the plain SwiGLU,
+`self.swiglu(g_TF, u_TF)`; QAT replaces those attributes on the instance (never the
+parameters), so masters, state_dict and optimizer state stay untouched. The SwiGLU is a seam of
+its own because it sits between two GEMMs: QAT fuses the down projection's activation fake
+quantization into it on a GPU, which it may do only for the plain SwiGLU.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workbench.arch import ExpertConfig
 from workbench.model.grouped import grouped_mm
 
 
@@ -24,12 +31,62 @@ def swiglu(g_TF: torch.Tensor, u_TF: torch.Tensor) -> torch.Tensor:
     return F.silu(g_TF) * u_TF
 
 
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation (transformers' `GptOssExperts._apply_gate`): gate clamped
+    above at `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, g_TF: torch.Tensor, u_TF: torch.Tensor) -> torch.Tensor:
+        g_TF = g_TF.clamp(min=None, max=self.limit)
+        u_TF = u_TF.clamp(min=-self.limit, max=self.limit)
+        return (u_TF + 1) * (g_TF * torch.sigmoid(g_TF * self.alpha))
+
+
+def activation(cfg: ExpertConfig):
+    return swiglu if cfg.activation == "swiglu" else ClampedSwiGLU(cfg.alpha, cfg.limit)
+
+
+class _ExpertBias(torch.autograd.Function):
+    """y[row] + b[expert of row] for rows sorted by expert (rows at or past offs[-1]: + 0).
+
+    The expert of each row comes from `offs` on the device (no host sync). The bias gradient
+    is a segment sum of the rows' gradients, a fixed-order reduction, where a scatter-add of
+    rows into experts would use atomics on CUDA (docs/determinism.md)."""
+
+    @staticmethod
+    def forward(ctx, y_TX, b_EX, offs_E):
+        rows = torch.arange(y_TX.shape[0], device=y_TX.device, dtype=offs_E.dtype)
+        idx_T = torch.bucketize(rows, offs_E, right=True)  # = E past the last expert
+        padded = torch.cat([b_EX, b_EX.new_zeros(1, b_EX.shape[1])]).to(y_TX.dtype)
+        ctx.save_for_backward(offs_E)
+        ctx.b_dtype = b_EX.dtype
+        return y_TX + padded[idx_T]
+
+    @staticmethod
+    def backward(ctx, g_TX):
+        (offs_E,) = ctx.saved_tensors
+        ends = offs_E.to(torch.int64)
+        counts = torch.diff(ends, prepend=ends.new_zeros(1))
+        lengths = torch.cat([counts, g_TX.shape[0] - ends[-1:]])  # the rows past offs[-1] last
+        g_b = torch.segment_reduce(g_TX.float(), "sum", lengths=lengths, axis=0, unsafe=True,
+                                   initial=0.0)[:-1]
+        return g_TX, g_b.to(ctx.b_dtype), None
+
+
+def add_expert_bias(y_TX: torch.Tensor, b_EX: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    return _ExpertBias.apply(y_TX, b_EX, offs_E)
+
+
 class GroupedExperts(nn.Module):
-    """SwiGLU experts. Under expert parallelism an instance holds global experts
+    """Routed experts. Under expert parallelism an instance holds global experts
     [expert_offset, expert_offset + num_experts) of `num_global_experts`."""
 
     def __init__(self, num_experts: int, hidden: int, ffn: int, *, num_global_experts: int | None = None,
-                 expert_offset: int = 0, device: torch.device | str | None = None,
+                 expert_offset: int = 0, bias: bool = False, act=swiglu,
+                 device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
@@ -42,6 +99,13 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, ffn, hidden, **kw))
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn, hidden, **kw))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, ffn, **kw))
+        if bias:
+            self.b1 = nn.Parameter(torch.empty(num_experts, ffn, **kw))
+            self.b3 = nn.Parameter(torch.empty(num_experts, ffn, **kw))
+            self.b2 = nn.Parameter(torch.empty(num_experts, hidden, **kw))
+        else:
+            self.b1 = self.b3 = self.b2 = None
+        self.act = act
         self.grouped_mm = grouped_mm
         self.swiglu = swiglu
 
@@ -50,8 +114,18 @@ class GroupedExperts(nn.Module):
         """`end`: offs_E[-1] when the caller knows it on the host (the dispatchers do), so the
         grouped GEMMs never wait for the GPU (`workbench.model.grouped`)."""
         mm = self.grouped_mm
-        h_TF = self.swiglu(mm(x_TD, self.w1, offs_E, end=end), mm(x_TD, self.w3, offs_E, end=end))
-        return mm(h_TF, self.w2, offs_E, end=end)
+        g_TF, u_TF = mm(x_TD, self.w1, offs_E, end=end), mm(x_TD, self.w3, offs_E, end=end)
+        if self.b1 is not None:
+            g_TF, u_TF = add_expert_bias(g_TF, self.b1, offs_E), add_expert_bias(u_TF, self.b3, offs_E)
+        h_TF = self.swiglu(g_TF, u_TF) if self.act is swiglu else self.act(g_TF, u_TF)
+        y_TD = mm(h_TF, self.w2, offs_E, end=end)
+        if self.b2 is not None:
+            y_TD = add_expert_bias(y_TD, self.b2, offs_E)
+        return y_TD
+
+    def expert_params(self) -> list[str]:
+        """Names of the per-expert parameters (first dim = expert)."""
+        return [n for n in ("w1", "w3", "w2", "b1", "b3", "b2") if getattr(self, n) is not None]
 
     @torch.no_grad()
     def narrow_(self, expert_offset: int, num_experts: int) -> None:
@@ -63,7 +137,7 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"GroupedExperts holds experts [{self.expert_offset}, "
                              f"{self.expert_offset + self.num_experts}); cannot narrow to "
                              f"[{expert_offset}, {expert_offset + num_experts})")
-        for name in ("w1", "w3", "w2"):
+        for name in self.expert_params():
             old = getattr(self, name)
             setattr(self, name, nn.Parameter(old[start:start + num_experts].clone(),
                                              requires_grad=old.requires_grad))
@@ -71,5 +145,7 @@ class GroupedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         E, F_, D = self.w1.shape
+        act = "swiglu" if self.act is swiglu else repr(self.act)
         return (f"experts={E} (global {self.expert_offset}..{self.expert_offset + E - 1} of "
-                f"{self.num_global_experts}), hidden={D}, ffn={F_}")
+                f"{self.num_global_experts}), hidden={D}, ffn={F_}, act={act}"
+                + (", bias" if self.b1 is not None else ""))

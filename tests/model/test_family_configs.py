@@ -1,0 +1,227 @@
+"""The config.json files of released checkpoints map onto the family blocks field by field, the
+models they describe have the published parameter counts, and what the workbench cannot build is
+refused by name.
+
+The dicts below are the released files (copied from the Hugging Face hub pages named beside
+them; fields that describe the file rather than the model, such as token ids, are kept where
+short). Expected values are read off those files and the model cards by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers parses config.json (pip install 'workbench[data]')")
+
+from family_oracle import CASES, ids, write
+
+from workbench.arch import (
+    AttentionConfig,
+    ExpertConfig,
+    RopeConfig,
+    RouterConfig,
+    config_from_dict,
+    from_checkpoint,
+)
+from workbench.model import ModelConfigError, MoEForCausalLM, PretrainedError, from_pretrained
+
+# https://huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json (DeepSeek-R1's is the same
+# model description)
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False,
+    "attention_dropout": 0.0, "auto_map": {
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModel": "modeling_deepseek.DeepseekV3Model",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1,
+    "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+    "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1,
+    "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+    "pretraining_tp": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "seq_aux": True, "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16", "transformers_version": "4.33.1", "use_cache": True,
+    "v_head_dim": 128, "vocab_size": 129280,
+}
+# https://huggingface.co/moonshotai/Kimi-K2-Instruct/blob/main/config.json (the model fields)
+KIMI_K2 = {
+    **DEEPSEEK_V3, "model_type": "kimi_k2", "first_k_dense_replace": 1,
+    "max_position_embeddings": 131072, "n_group": 1, "n_routed_experts": 384,
+    "num_attention_heads": 64, "num_key_value_heads": 64, "num_nextn_predict_layers": 0,
+    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "topk_group": 1, "vocab_size": 163840,
+    "bos_token_id": 163584, "eos_token_id": 163585,
+}
+# https://huggingface.co/zai-org/GLM-4.5/blob/main/config.json
+GLM_45 = {
+    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 5120, "partial_rotary_factor": 0.5,
+    "initializer_range": 0.02, "intermediate_size": 12288, "max_position_embeddings": 131072,
+    "model_type": "glm4_moe", "moe_intermediate_size": 1536, "norm_topk_prob": True,
+    "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 160,
+    "n_shared_experts": 1, "routed_scaling_factor": 2.5, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "num_hidden_layers": 92, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000, "num_nextn_predict_layers": 1,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.54.0",
+    "use_cache": True, "use_qk_norm": True, "vocab_size": 151552,
+}
+# https://huggingface.co/openai/gpt-oss-120b/raw/main/config.json
+GPT_OSS_120B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+    "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 18,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+    "num_experts_per_tok": 4, "num_hidden_layers": 36, "num_key_value_heads": 8,
+    "num_local_experts": 128, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+        "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                     "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                     "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+    "swiglu_limit": 7.0, "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0",
+    "use_cache": True, "vocab_size": 201088,
+}
+# https://huggingface.co/openai/gpt-oss-20b/raw/main/config.json: 24 layers of 32 experts
+GPT_OSS_20B = {**GPT_OSS_120B, "num_hidden_layers": 24, "num_local_experts": 32,
+               "layer_types": ["sliding_attention", "full_attention"] * 12}
+
+MLA_V3 = AttentionConfig(kind="mla", qk_norm=False, q_lora_rank=1536, kv_lora_rank=512,
+                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+YARN_V3 = RopeConfig(kind="yarn", interleaved=True, factor=40.0, original_max_position=4096,
+                     beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+
+
+def test_deepseek_v3_maps_every_block():
+    cfg = config_from_dict(DEEPSEEK_V3)
+    assert (cfg.family, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+            cfg.head_dim, cfg.vocab_size) == ("deepseek_v3", 7168, 61, 128, 128, 192, 129280)
+    assert cfg.attention == MLA_V3 and cfg.rope == YARN_V3 and cfg.rope_theta == 10000.0
+    assert cfg.router == RouterConfig(kind="sigmoid", n_group=8, topk_group=4,
+                                      routed_scaling_factor=2.5)
+    assert (cfg.num_experts, cfg.top_k, cfg.expert_ffn, cfg.shared_expert_ffn, cfg.dense_ffn,
+            cfg.first_k_dense, cfg.mtp_layers) == (256, 8, 2048, 2048, 18432, 3, 1)
+    assert cfg.norm_topk_prob and cfg.experts == ExpertConfig() and cfg.aux_loss_coef == 0
+    assert [cfg.is_moe_layer(i) for i in (0, 2, 3, 60)] == [False, False, True, True]
+    assert cfg.max_seq_len == 163840 and cfg.rms_eps == 1e-6 and not cfg.tie_embeddings
+    # the MLA softmax scale carries YaRN's mscale(40, 1)^2 = (0.1 ln 40 + 1)^2
+    assert cfg.rope.mla_softmax_mscale() == pytest.approx((0.1 * 3.6888794541139363 + 1) ** 2)
+
+
+def test_kimi_k2_is_the_deepseek_v3_family():
+    cfg = config_from_dict(KIMI_K2)
+    assert cfg.family == "deepseek_v3" and cfg.attention.kind == "mla"
+    assert (cfg.num_heads, cfg.num_experts, cfg.first_k_dense, cfg.vocab_size) == (64, 384, 1, 163840)
+    assert cfg.router == RouterConfig(kind="sigmoid", routed_scaling_factor=2.827)
+    assert (cfg.rope.factor, cfg.rope.beta_fast, cfg.rope.beta_slow, cfg.rope_theta) == (32.0, 1.0, 1.0, 5e4)
+    assert cfg.mtp_layers == 0
+
+
+def test_glm_45_maps_every_block():
+    cfg = config_from_dict(GLM_45)
+    assert (cfg.family, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_dim) == (
+        "glm4_moe", 96, 8, 128, 64)
+    assert cfg.attention == AttentionConfig(qk_norm=True, qkv_bias=True, o_bias=False)
+    assert cfg.rope == RopeConfig(partial_factor=0.5) and cfg.rope_theta == 1e6
+    assert cfg.router == RouterConfig(kind="sigmoid", routed_scaling_factor=2.5)
+    assert (cfg.num_experts, cfg.expert_ffn, cfg.shared_expert_ffn, cfg.first_k_dense,
+            cfg.mtp_layers, cfg.rms_eps) == (160, 1536, 1536, 3, 1, 1e-5)
+
+
+def test_gpt_oss_maps_every_block():
+    cfg = config_from_dict(GPT_OSS_120B)
+    assert (cfg.family, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.expert_ffn, cfg.num_experts, cfg.top_k) == ("gpt_oss", 2880, 64, 8, 64, 2880, 128, 4)
+    assert cfg.attention == AttentionConfig(
+        qk_norm=False, qkv_bias=True, o_bias=True, sinks=True, sliding_window=128,
+        layer_types=("sliding_attention", "full_attention") * 18)
+    assert [cfg.attention.window(i) for i in range(3)] == [128, 0, 128]
+    assert cfg.rope == RopeConfig(kind="yarn", factor=32.0, original_max_position=4096,
+                                  truncate=False) and cfg.rope_theta == 150000.0
+    assert cfg.router == RouterConfig(kind="topk_softmax", bias=True)
+    assert cfg.experts == ExpertConfig(activation="clamped_swiglu", alpha=1.702, limit=7.0,
+                                       bias=True)
+    assert cfg.aux_loss_coef == 0.9 and cfg.rms_eps == 1e-5 and cfg.max_seq_len == 131072
+    assert all(cfg.is_moe_layer(i) for i in range(36))
+
+
+# Published totals: DeepSeek-V3 technical report (arXiv 2412.19437): 671B total parameters, the
+# 14B of the multi-token-prediction module not included (the model card: 685B = 671B + 14B);
+# gpt-oss model card (arXiv 2508.10925, table 1): 116.83B and 20.91B.
+@pytest.mark.parametrize("raw, published", [(DEEPSEEK_V3, 671.0e9), (GPT_OSS_120B, 116.83e9),
+                                            (GPT_OSS_20B, 20.91e9)],
+                         ids=["deepseek_v3", "gpt_oss_120b", "gpt_oss_20b"])
+def test_model_built_from_released_config_has_the_published_size(raw, published):
+    cfg = config_from_dict(raw)
+    model = MoEForCausalLM(cfg, device="meta")  # shapes only, nothing allocated
+    total = sum(p.numel() for p in model.parameters())
+    assert abs(total - published) / published < 5e-4, total
+
+
+@pytest.mark.parametrize("raw, named", [
+    ({k: v for k, v in DEEPSEEK_V3.items() if k != "kv_lora_rank"}, r"missing field\(s\) \['kv_lora_rank'\]"),
+    ({k: v for k, v in GPT_OSS_120B.items() if k != "num_local_experts"}, "num_local_experts"),
+    ({**DEEPSEEK_V3, "scoring_func": "softmax"}, "scoring_func 'softmax'"),
+    ({**DEEPSEEK_V3, "topk_method": "group_limited_greedy"}, "topk_method"),
+    ({**DEEPSEEK_V3, "model_type": "deepseek_v2"}, "model_type 'deepseek_v2'"),
+    ({**GLM_45, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "longrope"),
+    ({**GPT_OSS_120B, "layer_types": ["sliding_attention"] * 35}, r"layer_types.*\(35\)"),
+    ({**GPT_OSS_120B, "sliding_window": None}, "sliding_window is 0"),
+    ({**DEEPSEEK_V3, "n_group": 3}, r"topk_group \(4\) exceeds n_group \(3\)"),
+    ({**DEEPSEEK_V3, "n_group": 5}, "do not split into n_group=5"),
+])
+def test_what_cannot_be_built_is_named(tmp_path, raw, named):
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelConfigError, match=named) as e:
+        from_checkpoint(tmp_path)
+    assert str(tmp_path / "config.json") in str(e.value)
+
+
+def test_multi_token_prediction_layer_is_skipped_with_one_log_line(tmp_path, caplog):
+    """DeepSeek-V3 stores its MTP module as `model.layers.61.*`; the model has 61 layers. A
+    checkpoint with such a layer loads (one INFO line naming it), one with a layer beyond the
+    MTP count is refused."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = CASES["deepseek_v3"]
+    folder = tmp_path / "ds"
+    hf = write(cfg, folder, seed=1)
+    tensors = load_file(folder / "model.safetensors")
+    n = cfg.num_layers
+    extra = {k.replace(f"model.layers.{n - 1}.", f"model.layers.{n}."): v.clone()
+             for k, v in tensors.items() if k.startswith(f"model.layers.{n - 1}.")}
+    extra[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(cfg.hidden_size, 2 * cfg.hidden_size)
+    save_file({**tensors, **extra}, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.INFO, logger="workbench.model.hf"):
+        ours = from_pretrained(folder)
+    lines = [r.getMessage() for r in caplog.records if "multi-token-prediction" in r.getMessage()]
+    assert len(lines) == 1 and f"model.layers.{n}.*" in lines[0]
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids(cfg)).logits, hf(input_ids=ids(cfg)).logits,
+                                   rtol=2e-5, atol=2e-5)
+    config["num_nextn_predict_layers"] = 0
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PretrainedError, match=rf"model\.layers\.{n}\."):
+        from_pretrained(folder)
