@@ -6,6 +6,10 @@ swapped shows."""
 
 from __future__ import annotations
 
+import math
+import warnings
+
+import pytest
 import torch
 
 from workbench.model import MoEForCausalLM, tiny
@@ -55,3 +59,19 @@ def test_one_step_is_torch_adamw_with_hand_built_groups(tmp_path):
     ref_opt.step()
     for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q), n
+
+
+def test_schedule_warms_up_then_decays_to_the_floor(tmp_path):
+    opt, sched = build_optimizer(_model(), _cfg(tmp_path))
+    lrs = [opt.param_groups[0]["lr"]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # stepping the schedule without optimizer steps
+        for _ in range(11):
+            sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+    # peak 2e-3 reached in 4 linear warmup steps, then half a cosine over the other 6 steps
+    # down to 0.5 x peak (cos of 0, 30, 60, ... 180 degrees), then flat
+    r3 = math.sqrt(3) / 2
+    want = [5e-4, 1e-3, 1.5e-3, 2e-3, 2e-3, 2e-3 * (0.5 + 0.25 * (1 + r3)), 1.75e-3, 1.5e-3,
+            1.25e-3, 2e-3 * (0.5 + 0.25 * (1 - r3)), 1e-3, 1e-3]
+    assert lrs == pytest.approx(want, rel=1e-12)
