@@ -19,11 +19,12 @@ from workbench.track import (
     ValLossWithin,
 )
 from workbench.track.budgets import RecoveryAtLeast, ValKLBelow
+from workbench.track.expert_stats import ChurnBelow, DeadExpertsAtMost, ExpertErrorBelow
 
 
 def _frame(**cols) -> pd.DataFrame:
     n = len(next(iter(cols.values())))
-    return pd.DataFrame({"step": list(range(n)), **cols})
+    return pd.DataFrame({"step": list(range(1, n + 1)), **cols})  # the trainer's steps
 
 
 # val_loss 5 against the baseline's 4: exactly 25% above it
@@ -40,6 +41,12 @@ TOKS = (_frame(tokens_per_s=[1000.0] * 3), _frame(tokens_per_s=[2000.0] * 3))
 # median fake-quant share 0.5; peak memory 4 GiB
 FQ = (_frame(fake_quant_share=[0.25, 0.5, 0.75]), None)
 MEM = (_frame(peak_mem_gib=[1.0, 4.0, 2.0]), None)
+# expert statistics: the newest worst-expert rel_err 0.125 (an older one far above), no dead
+# expert at the newest record (three earlier), churn peaking at 0.25 after a 0.5 at step 1
+WORST = (_frame(expert_worst_rel_err=[1.0, 0.125]), None)
+DEAD = (_frame(experts_dead=[3.0, 0.0]), None)
+ONE_DEAD = (_frame(experts_dead=[0.0, 1.0]), None)
+CHURN = (_frame(expert_mean_churn=[0.5, 0.125, 0.25]), None)
 
 
 @pytest.mark.parametrize("budget, data, measured, passed", [
@@ -59,6 +66,14 @@ MEM = (_frame(peak_mem_gib=[1.0, 4.0, 2.0]), None)
     (FakeQuantShare(0.25, warmup=0), FQ, 0.5, False),
     (PeakMemory(4.0), MEM, 4.0, True),
     (PeakMemory(3.5), MEM, 4.0, False),
+    (ExpertErrorBelow(0.125), WORST, 0.125, True),
+    (ExpertErrorBelow(0.0625), WORST, 0.125, False),
+    (DeadExpertsAtMost(), DEAD, 0.0, True),  # the default: none dead
+    (DeadExpertsAtMost(), ONE_DEAD, 1.0, False),
+    (DeadExpertsAtMost(1), ONE_DEAD, 1.0, True),
+    (ChurnBelow(0.25, warmup=1), CHURN, 0.25, True),  # steps after the warmup only
+    (ChurnBelow(0.125, warmup=1), CHURN, 0.25, False),
+    (ChurnBelow(0.25), CHURN, 0.5, False),  # no warmup: step 1 counts
 ], ids=lambda x: x.name if hasattr(x, "evaluate") else None)
 def test_a_run_exactly_at_the_limit_passes(budget, data, measured, passed):
     run, baseline = data
