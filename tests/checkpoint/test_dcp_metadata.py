@@ -168,7 +168,7 @@ def test_a_pickled_object_entry_is_refused_for_tensor_only_checkpoints(ckpt):
 def test_storage_entries_stay_inside_the_folder_and_the_file(ckpt, damage, match):
     path, _ = ckpt
     md = load_metadata(path)
-    key, info = next(iter(md.storage_data.items()))
+    info = next(iter(md.storage_data.values()))
     if damage == "escape":
         info.relative_path = "../outside.distcp"
     elif damage == "absolute":

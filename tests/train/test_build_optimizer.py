@@ -45,7 +45,7 @@ def test_groups_and_hyperparameters_come_from_the_flags(tmp_path):
 
 def test_one_step_is_torch_adamw_with_hand_built_groups(tmp_path):
     model, ref = _model(), _model()
-    opt, sched = build_optimizer(model, _cfg(tmp_path))
+    opt, _ = build_optimizer(model, _cfg(tmp_path))
     decay = [p for n, p in ref.named_parameters() if not n.endswith("norm.weight")]
     no_decay = [p for n, p in ref.named_parameters() if n.endswith("norm.weight")]
     ref_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.25},
