@@ -30,7 +30,7 @@ def _plan(args) -> int:
     try:
         cfg = model_config_of(args.model)
         if args.layers:
-            cfg = cfg.replace(num_layers=args.layers)
+            cfg = cfg.with_layers(args.layers)
         gpn = args.gpus_per_node or min(args.gpus, 8)
         if args.gpus % gpn:
             raise PlanError(f"--gpus {args.gpus} is not a multiple of --gpus-per-node {gpn}")

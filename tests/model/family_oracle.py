@@ -11,12 +11,15 @@ SwiGLU clamp (0.6) below the typical gate and up activations.
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from workbench.arch import AttentionConfig, ExpertConfig, RopeConfig, RouterConfig
+from workbench.formats import quantize
 from workbench.model import tiny, tiny_deepseek, tiny_glm, tiny_gpt_oss, to_hf_config
 
 SEQ = 24
@@ -91,3 +94,28 @@ def checkpoint_oracles():
     sys.modules[spec.name] = module  # dataclasses look their module up here
     spec.loader.exec_module(module)
     return module
+
+
+GPT_OSS_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                         "model.embed_tokens", "lm_head"]
+
+
+def write_gpt_oss_mxfp4(cfg, folder, seed=7):
+    """The released gpt-oss layout: expert stacks as MXFP4 `_blocks` [E, out, in/32, 16] and
+    `_scales` [E, out, in/32] (rows = transformers' output features: gate/up interleaved),
+    everything else BF16."""
+    hf = family_model(cfg, seed=seed).to(torch.bfloat16)
+    tensors = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    for name in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors.pop(name).transpose(1, 2).contiguous()  # transformers keeps [E, in, out]
+        E, N, K = w.shape
+        q = quantize(w, "mxfp4")
+        tensors[name + "_blocks"] = q.data.reshape(E, N, K // 32, 16)
+        tensors[name + "_scales"] = q.scale
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = hf.config.to_dict()
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": GPT_OSS_NOT_CONVERTED}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder

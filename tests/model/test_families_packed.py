@@ -20,36 +20,12 @@ import torch
 
 pytest.importorskip("transformers", reason="transformers is the oracle (pip install 'workbench[dev]')")
 
-from family_oracle import CASES, checkpoint_oracles, family_model, ids
+from family_oracle import CASES, checkpoint_oracles, family_model, ids, write_gpt_oss_mxfp4
 from safetensors.torch import load_file, save_file
 
-from workbench.formats import quantize
 from workbench.model import from_pretrained, hf_to_ours
 
 ATOL = RTOL = 2e-5
-GPT_OSS_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                         "model.embed_tokens", "lm_head"]
-
-
-def write_gpt_oss_mxfp4(cfg, folder, seed=7):
-    """The released gpt-oss layout: expert stacks as MXFP4 `_blocks` [E, out, in/32, 16] and
-    `_scales` [E, out, in/32] (rows = transformers' output features: gate/up interleaved),
-    everything else BF16."""
-    hf = family_model(cfg, seed=seed).to(torch.bfloat16)
-    tensors = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    for name in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        w = tensors.pop(name).transpose(1, 2).contiguous()  # transformers keeps [E, in, out]
-        E, N, K = w.shape
-        q = quantize(w, "mxfp4")
-        tensors[name + "_blocks"] = q.data.reshape(E, N, K // 32, 16)
-        tensors[name + "_scales"] = q.scale
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = hf.config.to_dict()
-    config["quantization_config"] = {"quant_method": "mxfp4",
-                                     "modules_to_not_convert": GPT_OSS_NOT_CONVERTED}
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
 
 
 def test_gpt_oss_mxfp4_masters_are_transformers_decode(tmp_path):

@@ -152,3 +152,14 @@ class MoEConfig:
 
     def replace(self, **changes: Any) -> MoEConfig:
         return dataclasses.replace(self, **changes)
+
+    def with_layers(self, num_layers: int) -> MoEConfig:
+        """The same model with `num_layers` layers (the planner's and benchmarks' "a few layers
+        of this model"): per-layer lists are cut, or continued with their own pattern."""
+        a = self.attention
+        types = tuple(a.layer_types[i % len(a.layer_types)] for i in range(num_layers)) \
+            if a.layer_types else ()
+        return self.replace(
+            num_layers=num_layers, attention=dataclasses.replace(a, layer_types=types),
+            first_k_dense=min(self.first_k_dense, num_layers),
+            mlp_only_layers=tuple(i for i in self.mlp_only_layers if i < num_layers))

@@ -66,7 +66,12 @@ def attend(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, *, 
         sink_k = k_BGSD.new_zeros(B, G, 1, Dh + _SINK_PAD)
         sink_k[..., Dh] = 1.0
         k_BGSD = torch.cat([k_BGSD, sink_k], dim=2)
-        v_BGSD = torch.cat([v_BGSD, v_BGSD.new_zeros(B, G, 1, v_BGSD.shape[-1])], dim=2)
+        # v padded like q and k: fused SDPA kernels (CPU and CUDA flash) need one head dim;
+        # the extra output columns are zeros and are cut off
+        v_BGSD = F.pad(v_BGSD, (0, _SINK_PAD, 0, 1))
+        o = F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, attn_mask=mask, scale=scale,
+                                           enable_gqa=gqa)
+        return o[..., :Dh]
     return F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, attn_mask=mask, scale=scale,
                                           enable_gqa=gqa)
 
@@ -155,8 +160,12 @@ class MLAttention(nn.Module):
         k_nope, v_BHSV = torch.split(kv_BHSX, [self.nope, self.v_dim], dim=-1)
         k_BHSQ = torch.cat([k_nope, k_rot_B1SR.expand(-1, H, -1, -1)], dim=-1)
         q_BHSQ = torch.cat([q_pass, q_rot], dim=-1)
-        o_BHSV = F.scaled_dot_product_attention(q_BHSQ, k_BHSQ, v_BHSV, is_causal=True,
-                                                scale=self.scale)
+        # values padded to the q/k head dim: fused SDPA kernels (CPU and CUDA flash) need one
+        # head dim, and without them the math path keeps the [S, S] probabilities for backward
+        pad = self.nope + self.rot - self.v_dim
+        v = F.pad(v_BHSV, (0, pad)) if pad > 0 else v_BHSV
+        o_BHSV = F.scaled_dot_product_attention(q_BHSQ, k_BHSQ, v, is_causal=True,
+                                                scale=self.scale)[..., :self.v_dim]
         return self.o_proj(o_BHSV.transpose(1, 2).reshape(B, S, -1))
 
 

@@ -80,8 +80,18 @@ class SigmoidRouter(TopKRouter):
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         with torch.autocast(x_TD.device.type, enabled=False):
             logits_TE = F.linear(x_TD.float(), self.weight.float())
-        scores_TE = logits_TE.sigmoid()
-        choice_TE = scores_TE + self.e_score_correction_bias.float()
+        scores_TE, idx_TK = self.select(logits_TE, self.e_score_correction_bias)
+        weights_TK = scores_TE.gather(1, idx_TK)
+        if self.norm_topk_prob:
+            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits_TE, weights_TK * self.routed_scaling_factor, idx_TK
+
+    def select(self, logits_TE: torch.Tensor, bias_E: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores_TE, experts_TK): the sigmoid scores and the experts picked on scores + bias
+        within the best groups."""
+        scores_TE = logits_TE.float().sigmoid()
+        choice_TE = scores_TE + bias_E.float()
         E, N = choice_TE.shape[-1], self.n_group
         if N > 1:
             group_TN = choice_TE.view(-1, N, E // N).topk(2, dim=-1)[0].sum(dim=-1)
@@ -89,11 +99,16 @@ class SigmoidRouter(TopKRouter):
                 1, torch.topk(group_TN, k=self.topk_group, dim=-1, sorted=False)[1], 1)
             keep_TE = keep_TN.unsqueeze(-1).expand(-1, N, E // N).reshape(-1, E)
             choice_TE = choice_TE.masked_fill(~keep_TE.bool(), float("-inf"))
-        idx_TK = torch.topk(choice_TE, k=self.top_k, dim=-1, sorted=False)[1]
-        weights_TK = scores_TE.gather(1, idx_TK)
-        if self.norm_topk_prob:
-            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
-        return logits_TE, weights_TK * self.routed_scaling_factor, idx_TK
+        return scores_TE, torch.topk(choice_TE, k=self.top_k, dim=-1, sorted=False)[1]
+
+    @torch.no_grad()
+    def loads(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        """int64 [E]: how many of these tokens (their router logits, from the forward) each
+        expert received."""
+        _, idx_TK = self.select(logits_TE, _full(self.e_score_correction_bias))
+        flat = idx_TK.reshape(-1)
+        return torch.zeros(logits_TE.shape[-1], dtype=torch.int64, device=flat.device
+                           ).scatter_add_(0, flat, torch.ones_like(flat))
 
     @torch.no_grad()
     def update_correction_bias_(self, load_E: torch.Tensor, rate: float) -> None:
@@ -108,6 +123,11 @@ class SigmoidRouter(TopKRouter):
             start = _shard_offset(bias)
             delta = delta[start:start + local.shape[0]]
         local.add_(delta.to(local.device, local.dtype))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP-sharded parameter (a collective), else `t`."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _shard_offset(t) -> int:
