@@ -182,6 +182,16 @@ def test_a_swapped_in_tensor_never_gets_the_entry_of_its_name(book):
         g, u = e.gemms.gate_up(X, e.w1.detach().clone(), e.w3.detach().clone(), OFFS)
         y = e.gemms.down(g, u, e.w2.detach().clone(), OFFS, act=e.act)
     assert torch.equal(y, _reference(m))
+    # nor does another tensor on the same storage at the same version (a view with other
+    # values: every expert reads expert 0's numbers)
+    with torch.no_grad():
+        w1_view = e.w1.detach().as_strided(e.w1.shape, (0, *e.w1.stride()[1:]))
+        assert w1_view.data_ptr() == e.w1.data_ptr() and w1_view._version == e.w1._version
+        g, u = e.gemms.gate_up(X, w1_view, e.w3, OFFS)
+    wq = _per_expert_reference(w1_view, NV)
+    ends, starts = OFFS.tolist(), [0] + OFFS.tolist()[:-1]
+    want = torch.cat([X[s:t] @ wq[i].t() for i, (s, t) in enumerate(zip(starts, ends))])
+    assert torch.equal(g, want)
 
 
 def test_put_refuses_what_it_cannot_vouch_for(book):
