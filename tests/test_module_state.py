@@ -341,18 +341,18 @@ CASES = {
                                       [("written", "_CACHE")]),
     "slot rebound in place": ("_SLOT: list = []\ndef f(x):\n    _SLOT[:] = [x]\n",
                               [("written", "_SLOT")]),
-    "mutating method passed on": ("import weakref\n_AMAX = {}\n"
-                                  "def f(w):\n    weakref.finalize(w, _AMAX.pop, 1, None)\n",
+    "mutating method passed on": (("import weakref\n_AMAX = {}\n"
+                                   "def f(w):\n    weakref.finalize(w, _AMAX.pop, 1, None)\n"),
                                   [("written", "_AMAX")]),
     "global rebinding": ("_n = 0\ndef f():\n    global _n\n    _n += 1\n", [("global", "_n")]),
     "lowercase container": ("seen = set()\n", [("mutable", "seen")]),
     "class-level container": ("class A:\n    cache = {}\n", [("mutable", "A.cache")]),
-    "module-level tensor written": ("import torch\n_T = torch.zeros(3)\n"
-                                    "def f():\n    _T.add_(1)\n", [("written", "_T")]),
+    "module-level tensor written": (("import torch\n_T = torch.zeros(3)\n"
+                                     "def f():\n    _T.add_(1)\n"), [("written", "_T")]),
     "memo": ("import functools\n@functools.lru_cache(maxsize=4)\ndef f(x):\n    return x\n",
              [("memo", "f")]),
-    "constant table": ("TABLE = {'a': 1}\n_RULES = {'x': (1, 2)}\n"
-                       "def f(k):\n    return TABLE[k], _RULES.get(k)\n", []),
+    "constant table": (("TABLE = {'a': 1}\n_RULES = {'x': (1, 2)}\n"
+                        "def f(k):\n    return TABLE[k], _RULES.get(k)\n"), []),
     "import-time construction": ("_OPS = {1}\nif True:\n    _OPS.add(2)\n", []),
     "a local of the same name": ("_C = {}\ndef f():\n    _C = {}\n    _C[1] = 2\n    return _C\n",
                                  []),

@@ -175,7 +175,7 @@ def test_entries_serve_recompute_and_micro_batches_without_an_amax_pass(book, mo
 def test_a_swapped_in_tensor_never_gets_the_entry_of_its_name(book):
     """FSDP2 hands the seam all-gathered tensors, not the parameter the optimizer wrote: an
     entry is for its own object only (here: the same values, detached, called through the seam)."""
-    m, state, seed_wrong = book
+    m, _, seed_wrong = book
     seed_wrong()
     e = m.experts
     with torch.no_grad():
