@@ -62,6 +62,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "constants"),
     ("memo", "workbench.formats.mx_profiles", "cached_lut"): MEMO_PURE,
     ("memo", "workbench.kernels.api", "_triton"): "import memo: Triton's modules, or the error",
+    ("memo", "workbench.model.loss", "_chunk_compiled"): (
+        "memo of torch.compile's wrapper of a pure function, made on first use: decides speed, "
+        "not values (its GPU test holds it to the plain function)"),
     ("memo", "workbench.train.data", "_permutation"): (
         "memo of a seeded permutation: a pure function of (seed, split, epoch, count)"),
     ("memo", "workbench.train.data", "load_corpus"): (
