@@ -45,8 +45,12 @@ if [[ $STAGES == *tests* ]]; then
   stamp "tests"
   timeout "$TESTS_T" "$PY" -m pytest tests/kernels/test_amax_cache_gpu.py tests/kernels/test_grouped_gpu.py \
     tests/kernels/test_swiglu.py tests/kernels/test_codecs.py tests/kernels/test_dispatch.py tests/model/test_model_gpu.py tests/qat/test_amax_book.py \
-    tests/train/test_deterministic_combine.py tests/train/test_optim_gpu.py tests/kernels/test_sumsq.py tests/model/test_cast.py -q -rfE -p no:cacheprovider 2>&1 \
+    tests/train/test_deterministic_combine.py tests/train/test_optim_gpu.py tests/kernels/test_sumsq.py tests/model/test_cast.py \
+    tests/model/test_linear_cross_entropy.py -q -rfE -p no:cacheprovider 2>&1 \
     | tee "$OUT/tests.log" | tail -15
+  # every other GPU-marked test of the QAT path
+  timeout 120 "$PY" -m pytest -m gpu tests/qat tests/train/test_fsdp.py -q -rfE -p no:cacheprovider 2>&1 \
+    | tee -a "$OUT/tests.log" | tail -5
 fi
 if [[ $STAGES == *bits* ]] && [ "${DRY_RUN:-}" != cpu ]; then
   stamp "swiglu_bits"
