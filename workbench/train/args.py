@@ -100,7 +100,7 @@ def parser(raising: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--val-data", action="append", metavar="PATH",
                    help="validation text (repeatable); default: hold out the last train sequences")
     p.add_argument("--tokenizer", help="tokenizer folder (default: the --init folder's)")
-    p.add_argument("--token-cache", help="token cache folder (default: OUT/../.token-cache)")
+    p.add_argument("--token-cache", help="private token cache folder (default: OUT/../.token-cache-UID)")
     p.add_argument("--distill", action="store_true",
                    help="distil from the frozen --init model (KL to its logits)")
     p.add_argument("--kd-temperature", type=float, help="distillation temperature T (default 1)")

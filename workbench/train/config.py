@@ -90,7 +90,7 @@ class TrainConfig:
     data: tuple[str, ...] = ()
     val_data: tuple[str, ...] = ()  # none: the last train sequences are held out
     tokenizer: str | None = None  # None: the --init folder's tokenizer
-    token_cache: str | None = None  # None: <parent of out>/.token-cache
+    token_cache: str | None = None  # None: <parent of out>/.token-cache-<uid> (private, 0700)
     # Distillation from the frozen --init model (workbench.train.distill).
     distill: bool = False
     kd_temperature: float = 1.0
