@@ -166,9 +166,12 @@ def test_a_cache_others_can_write_or_own_is_refused(tmp_path, tok, texts, monkey
 # Long records: tokenized in pieces, in bounded memory.
 
 
-def test_a_long_record_gives_the_whole_records_ids(tmp_path, tok, texts):
+def test_a_long_record_gives_the_whole_records_ids(tmp_path, tok, texts, monkeypatch):
     # 200k characters, cut into several pieces; the test tokenizer's pre-tokenizer is GPT-2's
-    # byte-level regex, for which the convention's cuts fall on pre-token boundaries
+    # byte-level regex, for which the convention's cuts fall on pre-token boundaries. The JSONL
+    # line is streamed (a low LONG_LINE and small blocks put every boundary somewhere).
+    monkeypatch.setattr(ds, "LONG_LINE", 4096)
+    monkeypatch.setattr(ds.jsonl_stream, "BLOCK", 1000)
     long_text = "".join(texts) * 5
     assert len(long_text) > 3 * ds.PIECE_CHARS
     (tmp_path / "long.txt").write_text(long_text)
@@ -232,3 +235,46 @@ def test_peak_memory_does_not_grow_with_record_size(tmp_path, tok_dir, texts, ki
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["tokens"] > 100_000
     assert out["grew_kib"] < 64 * 1024, out  # MiB-scale pieces, not 200x the record
+
+
+def test_streamed_jsonl_lines_read_as_json_loads_reads_them(monkeypatch):
+    import io
+    import random
+
+    from workbench.train import jsonl_stream
+
+    monkeypatch.setattr(jsonl_stream, "BLOCK", 7)  # every block boundary, every escape split
+    rng = random.Random(0)
+    alphabet = ["a", " ", "\n", '"', "\\", "\t", "\u00e9", "\u20ac", "\U0001F600", "\ud83d",
+                "\ude00", "\x01", "/", "z"]
+    for trial in range(2000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+        obj = ({"a": [1, {"b": 'x"y]'}, None], "text": text, "z": 3.5e3} if trial % 3
+               else {"text": text})
+        line = json.dumps(obj, ensure_ascii=bool(trial % 2)).encode("utf-8", "surrogatepass")
+        parts = list(jsonl_stream.text_parts(io.BytesIO(line[5:] + b"\n"), line[:5], None))
+        assert "".join(parts) == json.loads(line)["text"], line
+
+
+@pytest.mark.parametrize("line, match", [
+    (b'{"text": 5, "pad": "%s"}', "field 'text' must be a string"),
+    (b'{"pad": "%s", "txt": "b"}', "no 'text' field"),
+    (b'{"text": "a", "pad": "%s"', "invalid JSON"),
+    (b'{"text": "a", "pad": [1}, "x": "%s"}', "invalid JSON"),
+    (b'{"text": "a\\q", "pad": "%s"}', "invalid JSON"),
+])
+def test_a_damaged_long_line_is_named_with_its_line(tmp_path, tok, line, match, monkeypatch):
+    monkeypatch.setattr(ds, "LONG_LINE", 64)
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"text": "fine"}\n' + line.replace(b"%s", b"p" * 200) + b"\n")
+    with pytest.raises(ds.DataError, match=rf"d\.jsonl:2: .*{match}"):
+        tokenize(path, tok, tmp_path / "cache")
+
+
+def test_a_long_chat_record_is_rendered_whole(tmp_path, tok, monkeypatch):
+    monkeypatch.setattr(ds, "LONG_LINE", 64)
+    msgs = [{"role": "user", "content": "x" * 300}, {"role": "assistant", "content": "ok"}]
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"id": 1, "messages": msgs}) + "\n")
+    got = tokenize(path, tok, tmp_path / "cache").memmap().tolist()
+    assert got == expected_stream(tok, [tok.hf.apply_chat_template(msgs, tokenize=False)])

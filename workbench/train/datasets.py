@@ -15,7 +15,8 @@ appended, the records are concatenated in source order into one stream, and the 
 sequences of `seq + 1` tokens; only the incomplete tail is dropped, nothing is padded.
 A record longer than `PIECE_CHARS` characters is tokenized in pieces (`pieces`: each cut
 before the last space that a letter follows, else at the limit) and its EOS follows its last
-piece; `.txt` files are read in pieces too, so memory does not grow with a record's size.
+piece; `.txt` files and JSONL lines longer than `LONG_LINE` are read in pieces too, so memory
+does not grow with a record's size.
 
 Cache (`workbench.train.token_cache`): the stream is written once as raw little-endian uint32
 (`tokens.bin`) plus `header.json` (counts, the digests of the inputs and of the tokens), under
@@ -39,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from workbench.train import token_cache
+from workbench.train import jsonl_stream, token_cache
 from workbench.train.data import PackedSplit
 from workbench.train.distributed import DistInfo
 from workbench.train.token_cache import DTYPE, CacheError, TokenFile
@@ -54,6 +55,8 @@ HOLDOUT_FRACTION = 0.02
 PIECE_CHARS = 1 << 16
 _ENCODE_BATCH = 512
 _BATCH_CHARS = 1 << 18
+# JSONL lines longer than this are parsed as a stream (their text in parts), not by json.loads.
+LONG_LINE = 1 << 20
 # Tokenization options: part of every cache key, so other options never reuse tokens.
 OPTIONS = {"piece_chars": PIECE_CHARS, "cut": "before the last space a letter follows"}
 
@@ -149,10 +152,17 @@ def _record_text(obj: Any, where: str, tok: Tokenizer) -> str:
     raise DataError(f"{where}: no 'text' field (nor chat 'messages'); keys: {sorted(obj)[:8]}")
 
 
-def _jsonl(path: Path, tok: Tokenizer) -> Iterator[tuple[str, str]]:
+def _jsonl(path: Path, tok: Tokenizer) -> Iterator[tuple[str | Iterable[str], str]]:
+    """Lines up to LONG_LINE bytes through json.loads; longer ones streamed
+    (`jsonl_stream`): their text comes in parts, read block by block."""
     with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
+        n = 0
+        while raw := f.readline(LONG_LINE):
+            n += 1
             where = f"{path}:{n}"
+            if len(raw) == LONG_LINE and not raw.endswith(b"\n"):
+                yield _streamed(f, raw, where, tok), where
+                continue
             if not raw.strip():
                 continue
             try:
@@ -160,6 +170,21 @@ def _jsonl(path: Path, tok: Tokenizer) -> Iterator[tuple[str, str]]:
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise DataError(f"{where}: invalid JSON ({e})") from e
             yield _record_text(obj, where, tok), where
+
+
+def _streamed(f, first: bytes, where: str, tok: Tokenizer) -> Iterator[str]:
+    def chat(messages):
+        return _record_text({"messages": messages}, where, tok)
+
+    try:
+        yield from jsonl_stream.text_parts(f, first, chat)
+    except KeyError as e:
+        raise DataError(f"{where}: no 'text' field (nor chat 'messages'); keys: "
+                        f"{e.args[0]}") from None
+    except TypeError as e:
+        raise DataError(f"{where}: {e}") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError included
+        raise DataError(f"{where}: invalid JSON ({e})") from e
 
 
 def _parquet(path: Path) -> Iterator[tuple[str, str]]:
