@@ -12,10 +12,13 @@ weight (layer x expert x projection), and their difference:
 
 The result's ``table`` has one row per weight: ``a_<m>`` / ``b_<m>`` for the error metrics,
 ``delta`` = A - B of ``metric``, ``change_pct`` = 100 * delta / B, and ``verdict``: improved
-(A has at least ``tol_pct`` percent less error), worse, same, or non-finite (either side's
-weights hold NaN/Inf, counted in ``a_nonfinite`` / ``b_nonfinite``, or its error is NaN: there
-is no change to judge, and such a weight is never called same). Lower is better for the
-metrics offered (``rel_err``, ``max_abs_err``); ``sqnr_gain_db`` = A - B in dB (higher: A better).
+when A has more than ``tol_pct`` percent less error than B (``change_pct < -tol_pct``), worse
+when more than ``tol_pct`` percent more (``change_pct > tol_pct``), same otherwise: a change of
+exactly ``tol_pct`` percent is within the tolerance, and at ``tol_pct=0`` any difference counts
+while equal errors stay "same". A weight whose values hold NaN/Inf on either side (counted in
+``a_nonfinite`` / ``b_nonfinite``), or whose error is NaN, has no change to judge: its verdict
+is non-finite, never same. Lower is better for the metrics offered (``rel_err``,
+``max_abs_err``); ``sqnr_gain_db`` = A - B in dB (higher: A better).
 """
 
 from __future__ import annotations
@@ -265,6 +268,7 @@ def combine(a, b, metric: str = "rel_err", tol_pct: float = 1.0):
     for side in ("a", "b"):
         if f"{side}_nonfinite" in t:
             bad |= t[f"{side}_nonfinite"] > 0
+    # strict: a change of exactly tol_pct is "same", so tol_pct=0 never calls equal errors better
     t["verdict"] = ["non-finite" if b else
                     ("improved" if c < -tol_pct else ("worse" if c > tol_pct else "same"))
                     for c, b in zip(t["change_pct"], bad)]
