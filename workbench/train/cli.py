@@ -24,6 +24,7 @@ from workbench.train.config import TrainConfig
 from workbench.train.datasets import DataError
 from workbench.train.init import InitError
 from workbench.train.logger import make_logger
+from workbench.train.loop import NonFiniteStep
 from workbench.train.resume_config import ResumeConfigError
 from workbench.train.tokenizer import TokenizerError
 
@@ -141,7 +142,7 @@ def cli(argv: list[str] | None = None) -> dict:
     try:
         return main(argv)
     except (CheckpointError, ResumeConfigError, DataError, TokenizerError, ModelConfigError,
-            InitError, RecipeError) as e:
+            InitError, RecipeError, NonFiniteStep) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 

@@ -4,17 +4,22 @@ The model is built from the checkpoint's config.json (`workbench.train.build.mod
 EP-sliced, then filled here by `workbench.model.load_pretrained_`, the path `from_pretrained`
 takes: each rank reads and decodes only its own experts (packed experts decoded exactly by the
 checkpoint reader), values land in the model's parameters in place (the parameters stay the
-same objects), before QAT and FSDP.
+same objects), before QAT and FSDP. Weights holding NaN/Inf stop the run on every rank.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from torch import nn
 
-from workbench.model import PretrainedError, load_pretrained_
-from workbench.train.distributed import DistInfo
+from workbench.model import GroupedExperts, PretrainedError, load_pretrained_
+from workbench.model.hf import hf_name
+from workbench.train.distributed import DistInfo, all_reduce_sum
+
+
+_PROJ = {"w1": "gate", "w3": "up", "w2": "down"}
 
 
 class InitError(ValueError):
@@ -22,9 +27,36 @@ class InitError(ValueError):
 
 
 def load_init(path: str | Path, model: nn.Module, info: DistInfo) -> dict:
-    """Fill `model` from the checkpoint at `path`; returns read statistics ({"bytes_read":
-    stored bytes this rank read, "items_read": tensors}). Not a collective."""
+    """Collective: fill `model` from the checkpoint at `path`; returns read statistics
+    ({"bytes_read": stored bytes this rank read, "items_read": tensors})."""
     try:
-        return load_pretrained_(model, path, progress=info.is_main)
+        stats = load_pretrained_(model, path, progress=info.is_main)
     except PretrainedError as e:
         raise InitError(f"--init {e}") from e
+    _refuse_nonfinite(path, model, info)
+    return stats
+
+
+def _refuse_nonfinite(path, model: nn.Module, info: DistInfo) -> None:
+    """Collective: InitError on every rank when any rank's loaded weights hold NaN/Inf (one
+    isfinite pass over what this rank loaded; the flag is all-reduced so no rank trains on)."""
+    found = ""
+    for name, t in model.named_parameters():
+        bad = ~torch.isfinite(t.detach())
+        if not bool(bad.any()):
+            continue
+        n = int(bad.sum())
+        module = model.get_submodule(name.rpartition(".")[0])
+        leaf = name.rpartition(".")[2]
+        if isinstance(module, GroupedExperts):  # a local expert stack: name the global expert
+            e = int(bad.flatten(1).any(1).nonzero()[0]) + module.expert_offset
+            layer = name.split(".")[2]
+            found = f"layers.{layer}.experts.{_PROJ.get(leaf, leaf)} expert {e} holds {n} NaN/Inf values"
+        else:
+            found = f"{hf_name(name, model.config.family)} holds {n} NaN/Inf values"
+        break
+    flag = all_reduce_sum(torch.tensor([1.0 if found else 0.0], dtype=torch.float64,
+                                       device=info.device), info)
+    if found or float(flag.item()) > 0:
+        raise InitError(f"--init {path}: {found or 'another rank found NaN/Inf weights'}; "
+                        "refusing to train from non-finite weights")
