@@ -4,16 +4,6 @@ Legend: T routed rows (token copies sorted by expert), D hidden, F expert FFN, E
 
 `w1` (gate) and `w3` (up) are [E, F, D], `w2` (down) is [E, D, F]: Linear convention
 [E, out, in], so each block-scaled format blocks the last (reduction) dim of every weight.
-<<<<<<< HEAD
-Optional per-expert biases (gpt-oss) `b1`, `b3` [E, F] and `b2` [E, D] are added to each routed
-row's gate, up and down outputs. `act(g, u)` is the activation between the two GEMMs: `swiglu`,
-or gpt-oss's `ClampedSwiGLU`.
-The forward calls only `self.grouped_mm(x_TD, w_EOI, offs_E)` and, for the plain SwiGLU,
-`self.swiglu(g_TF, u_TF)`; QAT replaces those attributes on the instance (never the
-parameters), so masters, state_dict and optimizer state stay untouched. The SwiGLU is a seam of
-its own because it sits between two GEMMs: QAT fuses the down projection's activation fake
-quantization into it on a GPU, which it may do only for the plain SwiGLU.
-=======
 
 The forward reaches the weights only through its seam, `self.gemms` (an `ExpertGemms`), in two
 calls: `gate_up(x, w1, w3, ...)`, both GEMMs that read the same input, and `down(g, u, w2, ...,
@@ -24,16 +14,17 @@ parameters (FSDP2 gathers and reshards them) change nothing for it. QAT replaces
 the instance, never the parameters, so masters, state_dict and optimizer state stay untouched.
 The two calls are shaped by what a quantizing seam must do: quantize the input of w1 and w3
 once, and fuse the activation with the down projection's input quantization where it can.
->>>>>>> main
+
+Families add two things around the seam, never inside it: `act` is `swiglu` or gpt-oss's
+`ClampedSwiGLU`, and optional per-expert biases (gpt-oss) `b1`, `b3` [E, F] and `b2` [E, D] are
+added to each routed row's gate, up and down outputs (`add_expert_bias`), so a quantizing seam
+sees the same GEMMs for every family.
 """
 
 from __future__ import annotations
 
-<<<<<<< HEAD
-from dataclasses import dataclass
-=======
 from collections.abc import Callable
->>>>>>> main
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +35,8 @@ from workbench.model.grouped import grouped_mm
 
 # The experts' weights by role, in the seam's call order; also their parameter names.
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
+# Their optional per-expert biases (gpt-oss), added outside the seam.
+EXPERT_BIASES = ("b1", "b3", "b2")
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -53,7 +46,6 @@ def swiglu(g_TF: torch.Tensor, u_TF: torch.Tensor) -> torch.Tensor:
     return F.silu(g_TF) * u_TF
 
 
-<<<<<<< HEAD
 @dataclass(frozen=True)
 class ClampedSwiGLU:
     """gpt-oss's expert activation (transformers' `GptOssExperts._apply_gate`): gate clamped
@@ -68,7 +60,7 @@ class ClampedSwiGLU:
         return (u_TF + 1) * (g_TF * torch.sigmoid(g_TF * self.alpha))
 
 
-def activation(cfg: ExpertConfig):
+def activation(cfg: ExpertConfig) -> Activation:
     return swiglu if cfg.activation == "swiglu" else ClampedSwiGLU(cfg.alpha, cfg.limit)
 
 
@@ -103,10 +95,6 @@ def add_expert_bias(y_TX: torch.Tensor, b_EX: torch.Tensor, offs_E: torch.Tensor
     return _ExpertBias.apply(y_TX, b_EX, offs_E)
 
 
-class GroupedExperts(nn.Module):
-    """Routed experts. Under expert parallelism an instance holds global experts
-    [expert_offset, expert_offset + num_experts) of `num_global_experts`."""
-=======
 class ExpertGemms:
     """The plain grouped GEMMs of one expert layer: the default seam of `GroupedExperts`.
 
@@ -133,15 +121,15 @@ class ExpertGemms:
 
 
 class GroupedExperts(nn.Module):
-    """SwiGLU experts. Under expert parallelism an instance holds global experts
+    """Routed experts. Under expert parallelism an instance holds global experts
     [expert_offset, expert_offset + num_experts) of `num_global_experts`.
 
-    `act`: the activation between the projections (`swiglu`); `gemms`: the seam (see the module
-    doc), an `ExpertGemms` unless QAT replaced it."""
->>>>>>> main
+    `act`: the activation between the projections (`swiglu`, or `ClampedSwiGLU`); `bias`:
+    per-expert biases b1, b3, b2 (else None); `gemms`: the seam (see the module doc), an
+    `ExpertGemms` unless QAT replaced it."""
 
     def __init__(self, num_experts: int, hidden: int, ffn: int, *, num_global_experts: int | None = None,
-                 expert_offset: int = 0, bias: bool = False, act=swiglu,
+                 expert_offset: int = 0, bias: bool = False, act: Activation = swiglu,
                  device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -155,43 +143,32 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, ffn, hidden, **kw))
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn, hidden, **kw))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, ffn, **kw))
-<<<<<<< HEAD
         if bias:
             self.b1 = nn.Parameter(torch.empty(num_experts, ffn, **kw))
             self.b3 = nn.Parameter(torch.empty(num_experts, ffn, **kw))
             self.b2 = nn.Parameter(torch.empty(num_experts, hidden, **kw))
         else:
             self.b1 = self.b3 = self.b2 = None
-        self.act = act
-        self.grouped_mm = grouped_mm
-        self.swiglu = swiglu
-=======
-        self.act: Activation = swiglu
+        self.act: Activation = act
         self.gemms: ExpertGemms = ExpertGemms()
->>>>>>> main
 
     def forward(self, x_TD: torch.Tensor, offs_E: torch.Tensor, *,
                 end: int | None = None) -> torch.Tensor:
         """`end`: offs_E[-1] when the caller knows it on the host (the dispatchers do), so the
         grouped GEMMs never wait for the GPU (`workbench.model.grouped`)."""
-<<<<<<< HEAD
-        mm = self.grouped_mm
-        g_TF, u_TF = mm(x_TD, self.w1, offs_E, end=end), mm(x_TD, self.w3, offs_E, end=end)
+        g_TF, u_TF = self.gemms.gate_up(x_TD, self.w1, self.w3, offs_E, end=end)
         if self.b1 is not None:
-            g_TF, u_TF = add_expert_bias(g_TF, self.b1, offs_E), add_expert_bias(u_TF, self.b3, offs_E)
-        h_TF = self.swiglu(g_TF, u_TF) if self.act is swiglu else self.act(g_TF, u_TF)
-        y_TD = mm(h_TF, self.w2, offs_E, end=end)
+            g_TF = add_expert_bias(g_TF, self.b1, offs_E)
+            u_TF = add_expert_bias(u_TF, self.b3, offs_E)
+        y_TD = self.gemms.down(g_TF, u_TF, self.w2, offs_E, act=self.act, end=end)
         if self.b2 is not None:
             y_TD = add_expert_bias(y_TD, self.b2, offs_E)
         return y_TD
 
     def expert_params(self) -> list[str]:
-        """Names of the per-expert parameters (first dim = expert)."""
-        return [n for n in ("w1", "w3", "w2", "b1", "b3", "b2") if getattr(self, n) is not None]
-=======
-        g_TF, u_TF = self.gemms.gate_up(x_TD, self.w1, self.w3, offs_E, end=end)
-        return self.gemms.down(g_TF, u_TF, self.w2, offs_E, act=self.act, end=end)
->>>>>>> main
+        """Names of the per-expert parameters (first dim = expert): the weights, then the biases
+        this module has."""
+        return [*EXPERT_WEIGHTS, *(n for n in EXPERT_BIASES if getattr(self, n) is not None)]
 
     @torch.no_grad()
     def narrow_(self, expert_offset: int, num_experts: int) -> None:
@@ -203,11 +180,7 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"GroupedExperts holds experts [{self.expert_offset}, "
                              f"{self.expert_offset + self.num_experts}); cannot narrow to "
                              f"[{expert_offset}, {expert_offset + num_experts})")
-<<<<<<< HEAD
         for name in self.expert_params():
-=======
-        for name in EXPERT_WEIGHTS:
->>>>>>> main
             old = getattr(self, name)
             setattr(self, name, nn.Parameter(old[start:start + num_experts].clone(),
                                              requires_grad=old.requires_grad))
@@ -217,9 +190,5 @@ class GroupedExperts(nn.Module):
         E, F_, D = self.w1.shape
         act = "swiglu" if self.act is swiglu else repr(self.act)
         return (f"experts={E} (global {self.expert_offset}..{self.expert_offset + E - 1} of "
-<<<<<<< HEAD
                 f"{self.num_global_experts}), hidden={D}, ffn={F_}, act={act}"
-                + (", bias" if self.b1 is not None else ""))
-=======
-                f"{self.num_global_experts}), hidden={D}, ffn={F_}, gemms={self.gemms!r}")
->>>>>>> main
+                + (", bias" if self.b1 is not None else "") + f", gemms={self.gemms!r}")

@@ -18,7 +18,6 @@ from workbench.model import GroupedExperts, PretrainedError, load_pretrained_
 from workbench.model.hf import hf_name
 from workbench.train.distributed import DistInfo, all_reduce_sum
 
-
 _PROJ = {"w1": "gate", "w3": "up", "w2": "down"}
 
 
