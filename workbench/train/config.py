@@ -22,7 +22,7 @@ from workbench.arch import PRESETS
 from workbench.recipe import QATRecipe, RecipeError, parse_qat_recipe
 
 ACT_CKPT_MODES = ("off", "full", "selective")
-EXPORTS = ("compressed-tensors", "bf16")
+EXPORTS = ("compressed-tensors", "bf16", "gpt-oss")
 WANDB_MODES = ("offline", "online", "disabled")
 
 # What a --resume may change (workbench.train.resume_config compares against the checkpoints;
@@ -157,6 +157,10 @@ class TrainConfig:
             raise ValueError("grad_clip and weight_decay must be >= 0 and adam_eps > 0")
         if self.export is not None and self.export not in EXPORTS:
             raise ValueError(f"export {self.export!r} is not one of {EXPORTS}")
+        if self.export == "gpt-oss" and (self.qat_recipe.weight is None
+                                         or self.qat_recipe.weight.fmt != "mxfp4"):
+            raise ValueError(f"--export gpt-oss stores MXFP4 weights; recipe {self.recipe!r} "
+                             "trains another weight format (use --export bf16)")
         if self.export == "compressed-tensors" and self.qat_recipe.weight is None:
             raise ValueError(f"--export compressed-tensors packs the recipe's weight format; "
                              f"recipe {self.recipe!r} has none (use --export bf16)")
