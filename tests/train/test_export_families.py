@@ -139,3 +139,47 @@ def test_compressed_tensors_nvfp4_export_is_compressed_tensors_decode(tmp_path, 
     experts = model.model.layers[1].mlp.experts
     fq = fake_quant_ste(experts.w1.detach(), recipe, per_leading=True).to(torch.bfloat16)
     assert torch.equal(ours.model.layers[1].mlp.experts.w1.data, fq.float())
+
+
+@pytest.mark.distributed
+def test_gpt_oss_exports_are_the_same_bytes_at_ep2_and_under_fsdp(tmp_path):
+    """The fused gpt-oss layouts gather each layer's experts on rank 0: an EP2 model and an
+    EP1 x FSDP2 model built from the same --init write the files the world-1 model writes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import REPO, env
+    from safetensors import safe_open
+
+    from workbench.train.build import build
+    from workbench.train.config import from_checkpoint
+    from workbench.train.distributed import setup
+
+    fo = family_oracle()
+    init = fo.write_gpt_oss_mxfp4(fo.CASES["gpt_oss"], tmp_path / "init", seed=1)
+    worker = Path(__file__).with_name("gpt_oss_export_worker.py")
+    for layout in ("ep", "fsdp"):
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node=2", str(worker), str(tmp_path), str(init), layout],
+                           env=env(), cwd=REPO, capture_output=True, text=True, timeout=600,
+                           check=False)
+        assert p.returncode == 0, p.stderr[-5000:]
+    info = setup()
+    for fmt, recipe in (("gpt-oss", "mxfp4"), ("bf16", "bf16")):
+        cfg = from_checkpoint("/nonexistent-not-written", str(init), recipe=recipe, batch=4,
+                              seq=16)
+        ref = export_model(build(cfg, info).model, tmp_path / f"one-{fmt}", fmt=fmt,
+                           recipe=recipe)
+        want = json.loads((ref / "model.safetensors.index.json").read_text())["weight_map"]
+        for layout in ("ep", "fsdp"):
+            other = tmp_path / f"{layout}-{fmt}"
+            got = json.loads((other / "model.safetensors.index.json").read_text())["weight_map"]
+            assert got == want, layout
+            for name, shard in want.items():
+                with safe_open(ref / shard, "pt") as a, safe_open(other / shard, "pt") as b:
+                    ta, tb = a.get_tensor(name), b.get_tensor(name)
+                    assert ta.dtype == tb.dtype and torch.equal(ta.view(torch.uint8),
+                                                                tb.view(torch.uint8)), (layout, name)
+            assert json.loads((ref / "config.json").read_text()) == \
+                json.loads((other / "config.json").read_text())

@@ -134,3 +134,55 @@ def test_correction_bias_stays_frozen_by_default(tmp_path, inits):
         before = f.get_tensor(name)
     assert after.dtype == torch.float32 and before.abs().max() > 0
     assert torch.equal(after, before.float())
+
+
+def _bias(path, layer: int = 1) -> torch.Tensor:
+    from safetensors import safe_open
+
+    name = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    with safe_open(path / index["weight_map"][name], "pt") as f:
+        return f.get_tensor(name)
+
+
+@pytest.mark.distributed
+def test_router_bias_update_is_the_same_at_ep2_and_resumes_bit_exact(tmp_path, inits):
+    """--router-bias-update: EP2 counts the global batch's loads (an all-reduce) and moves every
+    replica's bias as EP1 does; a SIGKILLed run resumes with the bias it had checkpointed."""
+    from safetensors import safe_open
+
+    steps, rate = 6, 0.01
+    flags = ("--router-bias-update", str(rate), "--export", "compressed-tensors")
+    ep1, ep2, killed = tmp_path / "ep1", tmp_path / "ep2", tmp_path / "killed"
+    run(1, _args(inits, "deepseek_v3", "mxfp4", ep1, steps, "--ckpt-every", "0", *flags))
+    run(2, _args(inits, "deepseek_v3", "mxfp4", ep2, steps, "--ckpt-every", "0", *flags))
+    _same_losses(metrics(ep1), metrics(ep2))
+    b1, b2 = _bias(ep1 / "export"), _bias(ep2 / "export")
+    with safe_open(inits["deepseek_v3"] / "model.safetensors", "pt") as f:
+        b0 = f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias").float()
+    moved = (b1 - b0) / rate  # whole steps of +-rate per expert, at most one per step
+    assert moved.abs().max() > 0 and (moved - moved.round()).abs().max() < 1e-3
+    assert moved.abs().max() <= steps + 1e-3
+    torch.testing.assert_close(b2, b1, rtol=0, atol=1e-6)
+
+    args = _args(inits, "deepseek_v3", "mxfp4", killed, steps, "--ckpt-every", "2", "--keep", "3",
+                 *flags)
+    _kill_after(1, args, killed, step=4)
+    run(1, [*args, "--resume"])
+    for a, b in zip(metrics(ep1), metrics(killed)):
+        assert (a["step"], a["loss"], a["grad_norm"]) == (b["step"], b["loss"], b["grad_norm"])
+    assert torch.equal(_bias(killed / "export"), b1)
+
+
+def test_router_bias_update_on_a_softmax_family_is_one_line_error(tmp_path, inits):
+    import subprocess
+
+    from conftest import REPO, command, env
+
+    args = _args(inits, "gpt_oss", "mxfp4", tmp_path / "run", 2, "--router-bias-update", "0.01")
+    p = subprocess.run(command(1, args), env=env(), cwd=REPO, capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    (line,) = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+    assert "--router-bias-update" in line and "gpt_oss" in line and "topk_softmax" in line
+    assert "Traceback" not in p.stderr

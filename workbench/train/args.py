@@ -59,7 +59,8 @@ _OVERRIDES = {"steps": "steps", "seed": "seed", "ckpt_every": "ckpt_every", "val
               "expert_stats_every": "expert_stats_every", "tokenizer": "tokenizer",
               "token_cache": "token_cache", "kd_temperature": "kd_temperature",
               "kd_weight": "kd_weight", "ce_weight": "ce_weight", "ep": "ep", "fsdp": "fsdp",
-              "skip_nonfinite_steps": "skip_nonfinite_steps"}
+              "skip_nonfinite_steps": "skip_nonfinite_steps",
+              "router_bias_update": "router_bias_update"}
 
 
 def parser(raising: bool = False) -> argparse.ArgumentParser:
@@ -96,6 +97,10 @@ def parser(raising: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--skip-nonfinite-steps", type=int, metavar="N",
                    help="skip up to N steps whose loss or gradient is NaN/Inf (no update, counted "
                         "as skipped_steps); default 0: stop at the first, exit 2")
+    p.add_argument("--router-bias-update", type=float, metavar="RATE",
+                   help="sigmoid routers (DeepSeek-V3, Kimi K2, GLM-4.5): move each expert's "
+                        "e_score_correction_bias by RATE against its load after every step "
+                        "(DeepSeek-V3 used 0.001); default: the bias stays frozen")
     p.add_argument("--profile", help="deprecated: the weight format's codec profile; write it in "
                    "the recipe instead (--recipe mxfp4:floor)")
     p.add_argument("--data", action="append", metavar="PATH",
@@ -168,7 +173,8 @@ _VALUE_FLAGS = (("steps", "--steps"), ("seed", "--seed"), ("ckpt_every", "--ckpt
                 ("wandb", "--wandb"), ("run_group", "--run-group"), ("run_name", "--run-name"),
                 ("project", "--project"), ("activation_checkpointing", "--activation-checkpointing"),
                 ("expert_stats_every", "--expert-stats-every"), ("ep", "--ep"),
-                ("skip_nonfinite_steps", "--skip-nonfinite-steps"))
+                ("skip_nonfinite_steps", "--skip-nonfinite-steps"),
+                ("router_bias_update", "--router-bias-update"))
 
 
 def trainer_argv(cfg: TrainConfig) -> list[str]:

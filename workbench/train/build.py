@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workbench.model import MoEForCausalLM, from_checkpoint, preset
+from workbench.model import ModelConfigError, MoEForCausalLM, from_checkpoint, preset
 from workbench.qat import QATState, prepare
 from workbench.train.act_ckpt import apply_activation_checkpointing
 from workbench.train.config import TrainConfig
@@ -18,6 +18,7 @@ from workbench.train.distributed import DistInfo, Layout, make_layout
 from workbench.train.fsdp import apply_fsdp
 from workbench.train.init import load_init
 from workbench.train.optim import AdamW
+from workbench.train.router_bias import sigmoid_routers
 
 # The routed experts are what QAT fake-quantizes and what the packed export packs; attention,
 # router, dense FFNs, embeddings and lm_head stay BF16 (the Kimi K3 / gpt-oss recipes).
@@ -116,6 +117,11 @@ def build(cfg: TrainConfig, info: DistInfo, *, resuming: bool = False) -> Built:
     cfg.check_world(info.world)
     layout = make_layout(info, cfg.ep, cfg.fsdp)
     model = build_model(cfg, info, overwritten=resuming or bool(cfg.init), layout=layout)
+    if cfg.router_bias_update and not sigmoid_routers(model):
+        raise ModelConfigError(f"--router-bias-update moves the e_score_correction_bias of "
+                               f"sigmoid routers (DeepSeek-V3, Kimi K2, GLM-4.5); this "
+                               f"{model.config.family} model routes with "
+                               f"{model.config.router.kind!r}")
     if cfg.init and not resuming:
         load_init(cfg.init, model, info)  # before FSDP: into the plain EP-local tensors
     qat_state = None if cfg.qat_recipe.is_bf16 else QATState()

@@ -85,6 +85,9 @@ class TrainConfig:
     # step (exit 2, naming the step and the last good checkpoint); N > 0 skips up to N such
     # steps instead (no optimizer or LR step; counted in metrics as `skipped_steps`).
     skip_nonfinite_steps: int = 0
+    # DeepSeek-V3's e_score_correction_bias update per step (workbench.train.router_bias); 0:
+    # the bias stays as the checkpoint has it. Sigmoid-router families only.
+    router_bias_update: float = 0.0
     val_every: int = 10  # 0 disables validation
     val_batches: int = 2
     ckpt_every: int = 10  # 0: only the final / preemption checkpoint
@@ -155,6 +158,10 @@ class TrainConfig:
             raise ValueError(f"Adam betas must lie in [0, 1), got {self.beta1}, {self.beta2}")
         if self.grad_clip < 0 or self.weight_decay < 0 or self.adam_eps <= 0:
             raise ValueError("grad_clip and weight_decay must be >= 0 and adam_eps > 0")
+        if not (isinstance(self.router_bias_update, (int, float))
+                and self.router_bias_update >= 0):
+            raise ValueError("TrainConfig.router_bias_update must be a number >= 0, got "
+                             f"{self.router_bias_update!r}")
         if self.export is not None and self.export not in EXPORTS:
             raise ValueError(f"export {self.export!r} is not one of {EXPORTS}")
         if self.export == "gpt-oss" and (self.qat_recipe.weight is None
