@@ -186,3 +186,34 @@ def test_router_bias_update_on_a_softmax_family_is_one_line_error(tmp_path, init
     (line,) = [x for x in p.stderr.splitlines() if x.startswith("error:")]
     assert "--router-bias-update" in line and "gpt_oss" in line and "topk_softmax" in line
     assert "Traceback" not in p.stderr
+
+
+def test_distill_telemetry_checkpointing_and_compare_on_gpt_oss(tmp_path, inits):
+    """The rest of the trainer on a gpt-oss --init from its MXFP4 layout: distillation from the
+    frozen --init model, per-expert telemetry, full activation checkpointing, the native export,
+    and `workbench compare` of that export against PTQ of the BF16 model, expert by expert."""
+    import pandas as pd
+
+    from workbench.cli import main as workbench
+
+    out = tmp_path / "run"
+    run(1, _args(inits, "gpt_oss_mxfp4", "mxfp4", out, 2, "--ckpt-every", "0", "--distill",
+                 "--expert-stats-every", "1", "--activation-checkpointing", "full",
+                 "--export", "gpt-oss"))
+    rows = metrics(out)
+    assert all(r["kl"] > 0 for r in rows[1:]) and abs(rows[0]["kl"]) < 1e-3
+    stats = pd.read_parquet(out / "expert_stats.parquet")
+    cfg = family_oracle().CASES["gpt_oss"]
+    assert set(stats["layer"]) == set(range(cfg.num_layers))
+    assert set(stats["expert"]) == set(range(cfg.num_experts))
+    step1 = stats[stats["step"] == 1]
+    # every token (4 sequences of seq + 1) went to top_k experts in every layer, counted once
+    # although activation checkpointing runs each router twice
+    per_layer = step1.groupby(["layer", "expert"])["load"].first().groupby("layer").sum()
+    assert (per_layer == 4 * 33 * cfg.top_k).all(), per_layer
+    assert workbench(["compare", str(out / "export"), "ptq:mxfp4", "--reference",
+                      str(inits["gpt_oss"]), "--out", str(tmp_path / "cmp"),
+                      "--device", "cpu"]) == 0
+    table = pd.read_csv(tmp_path / "cmp" / "compare.csv")
+    assert len(table) == cfg.num_layers * cfg.num_experts * 3
+    assert table["a_rel_err"].between(0.01, 0.5).all()  # MXFP4 weights, not BF16 copies

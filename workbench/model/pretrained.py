@@ -96,13 +96,14 @@ def load_pretrained_(model: nn.Module, path: str | os.PathLike | Checkpoint, *,
     params = list(model.named_parameters())  # a tied lm_head appears once, as the embedding
     show = _is_main() if progress is None else progress
     items = 0
+    fused_bias: dict[str, torch.Tensor] = {}  # gpt-oss's gate_up bias holds b1 and b3: read once
     # disable=None: tqdm draws only on a terminal
     for name, param in tqdm(params, desc=f"loading {os.path.basename(where)}", unit="tensor",
                             disable=None if show else True, leave=False):
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
         if isinstance(module, GroupedExperts):
-            value = _expert_tensor(ck, module_name, leaf, module, used, where)
+            value = _expert_tensor(ck, module_name, leaf, module, used, where, fused_bias)
         else:
             theirs = hf_name(name, cfg.family)
             if theirs not in logical:
@@ -133,7 +134,7 @@ def load_pretrained_(model: nn.Module, path: str | os.PathLike | Checkpoint, *,
 
 
 def _expert_tensor(ck: Checkpoint, module_name: str, leaf: str, module: GroupedExperts,
-                   used: set[str], where: str) -> torch.Tensor:
+                   used: set[str], where: str, fused_bias: dict[str, torch.Tensor]) -> torch.Tensor:
     layer = int(module_name.split(".")[2])  # model.layers.{L}.mlp.experts
     start, count = module.expert_offset, module.num_experts
     if leaf in _PROJ:
@@ -150,4 +151,7 @@ def _expert_tensor(ck: Checkpoint, module_name: str, leaf: str, module: GroupedE
     if theirs not in ck.logical_names():
         raise PretrainedError(f"{where}: no tensor {theirs!r} for the experts' biases")
     used.add(theirs)
-    return ck.tensor(theirs, keep_dtype=True)[start:start + count][:, cols]
+    if theirs not in fused_bias:
+        fused_bias.clear()  # one layer's at a time
+        fused_bias[theirs] = ck.tensor(theirs, keep_dtype=True)[start:start + count]
+    return fused_bias[theirs][:, cols]
