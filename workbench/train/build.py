@@ -48,7 +48,7 @@ def model_config(cfg: TrainConfig):
     """The model's MoEConfig: the preset's, or (no preset) the --init checkpoint's config.json.
     max_seq_len grows to --seq when a run trains on longer sequences than the preset lists."""
     mcfg = preset(cfg.preset) if cfg.preset is not None else from_checkpoint(cfg.init)
-    return mcfg.replace(max_seq_len=max(cfg.seq, mcfg.max_seq_len))
+    return mcfg.replace(max_seq_len=max(cfg.seq + 1, mcfg.max_seq_len))  # seq + 1 tokens go in
 
 
 def build_model(cfg: TrainConfig, info: DistInfo, *, overwritten: bool = False,
