@@ -147,3 +147,16 @@ def test_multi_token_prediction_layer_is_skipped_with_one_log_line(tmp_path, cap
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(PretrainedError, match=rf"model\.layers\.{n}\."):
         from_pretrained(folder)
+
+
+def test_config_larger_than_its_tensors_fails_before_allocating(tmp_path):
+    """A config.json that describes a 2^33-row embedding (2 TiB of fp32) over a tiny checkpoint is
+    refused from the index, before any parameter is allocated."""
+    cfg = CASES["glm4_moe"]
+    folder = tmp_path / "glm"
+    write(cfg, folder, seed=1)
+    config = json.loads((folder / "config.json").read_text())
+    config["vocab_size"] = 2**33
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PretrainedError, match=r"model\.embed_tokens\.weight.*8589934592"):
+        from_pretrained(folder)

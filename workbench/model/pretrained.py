@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -60,8 +61,9 @@ def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
     ck = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     cfg = config if config is not None else config_from_dict(
         ck.config, source=str(ck.path / "config.json"))
-    model = materialize(MoEForCausalLM(cfg, ep_group=ep_group, device="meta", dtype=dtype),
-                        torch.device(device))
+    model = MoEForCausalLM(cfg, ep_group=ep_group, device="meta", dtype=dtype)
+    check_pretrained(model, ck)  # before allocating: the config must describe these tensors
+    model = materialize(model, torch.device(device))
     load_pretrained_(model, ck, strict=strict)
     return model.eval()
 
@@ -80,12 +82,49 @@ def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def _sources(model: nn.Module, ck: Checkpoint, used: set[str]
+             ) -> list[tuple[str, nn.Parameter, Callable[[], torch.Tensor]]]:
+    """(name, parameter, read) for every parameter, its checkpoint shape checked against the
+    parameter's: reads nothing but the index, so it runs on a meta-device model too (a config.json
+    describing a model larger than its tensors fails here, before anything is allocated)."""
+    cfg = model.config
+    where = str(ck.path)
+    logical = set(ck.logical_names())
+    fused_bias: dict[str, torch.Tensor] = {}  # gpt-oss's gate_up bias holds b1 and b3: read once
+    out = []
+    for name, param in model.named_parameters():  # a tied lm_head appears once, as the embedding
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if isinstance(module, GroupedExperts):
+            shape, read = _expert_source(ck, module_name, leaf, module, used, logical, fused_bias)
+        else:
+            theirs = hf_name(name, cfg.family)
+            if theirs not in logical:
+                raise PretrainedError(f"{where}: no tensor {theirs!r} for the model's {name} "
+                                      f"({tuple(param.shape)})")
+            view = ck.tensor(theirs, keep_dtype=True)
+            shape, read = tuple(view.shape), view.materialize
+            used.add(theirs)
+        if shape != tuple(param.shape):
+            raise PretrainedError(f"{where}: {name} is {shape} in the checkpoint, the model "
+                                  f"needs {tuple(param.shape)}")
+        out.append((name, param, read))
+    return out
+
+
+def check_pretrained(model: nn.Module, path: str | os.PathLike | Checkpoint) -> None:
+    """Raise PretrainedError unless every parameter of `model` (any device, meta included) has
+    its tensor, of its shape, in the checkpoint. Reads no tensor data."""
+    ck = path if isinstance(path, Checkpoint) else open_checkpoint(path)
+    _sources(model, ck, set())
+
+
 @torch.no_grad()
 def load_pretrained_(model: nn.Module, path: str | os.PathLike | Checkpoint, *,
                      progress: bool | None = None, strict: bool = True) -> dict:
     """Fill `model` (a MoEForCausalLM, possibly EP-sliced) from the checkpoint at `path`, in
     place; returns {"bytes_read": stored bytes read, "items_read": tensors read}. Not a
-    collective: each rank reads what it holds."""
+    collective: each rank reads what it holds. Every shape is checked before anything is read."""
     ck = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     cfg = model.config
     where = str(ck.path)
@@ -93,29 +132,12 @@ def load_pretrained_(model: nn.Module, path: str | os.PathLike | Checkpoint, *,
     stats = ck.index.stats
     before = stats.bytes_read
     used: set[str] = set()
-    params = list(model.named_parameters())  # a tied lm_head appears once, as the embedding
+    sources = _sources(model, ck, used)
     show = _is_main() if progress is None else progress
-    items = 0
-    fused_bias: dict[str, torch.Tensor] = {}  # gpt-oss's gate_up bias holds b1 and b3: read once
     # disable=None: tqdm draws only on a terminal
-    for name, param in tqdm(params, desc=f"loading {os.path.basename(where)}", unit="tensor",
-                            disable=None if show else True, leave=False):
-        module_name, _, leaf = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        if isinstance(module, GroupedExperts):
-            value = _expert_tensor(ck, module_name, leaf, module, used, where, fused_bias)
-        else:
-            theirs = hf_name(name, cfg.family)
-            if theirs not in logical:
-                raise PretrainedError(f"{where}: no tensor {theirs!r} for the model's {name} "
-                                      f"({tuple(param.shape)})")
-            value = ck.tensor(theirs, keep_dtype=True).materialize()
-            used.add(theirs)
-        if tuple(value.shape) != tuple(param.shape):
-            raise PretrainedError(f"{where}: {name} is {tuple(value.shape)} in the checkpoint, "
-                                  f"the model needs {tuple(param.shape)}")
-        param.copy_(value.to(param.dtype))
-        items += 1
+    for _, param, read in tqdm(sources, desc=f"loading {os.path.basename(where)}", unit="tensor",
+                               disable=None if show else True, leave=False):
+        param.copy_(read().to(param.dtype))
     if cfg.tie_embeddings and "lm_head.weight" in logical:
         head = ck.tensor("lm_head.weight", keep_dtype=True).materialize()
         if not torch.equal(head.to(model.lm_head.weight.dtype), model.lm_head.weight.cpu()):
@@ -130,11 +152,14 @@ def load_pretrained_(model: nn.Module, path: str | os.PathLike | Checkpoint, *,
     if unexpected and strict:
         raise PretrainedError(f"{where}: {len(unexpected)} tensor(s) the model does not use "
                               f"(wrong family or config?): {unexpected[:6]}")
-    return {"bytes_read": stats.bytes_read - before, "items_read": items}
+    return {"bytes_read": stats.bytes_read - before, "items_read": len(sources)}
 
 
-def _expert_tensor(ck: Checkpoint, module_name: str, leaf: str, module: GroupedExperts,
-                   used: set[str], where: str, fused_bias: dict[str, torch.Tensor]) -> torch.Tensor:
+def _expert_source(ck: Checkpoint, module_name: str, leaf: str, module: GroupedExperts,
+                   used: set[str], logical: set[str], fused_bias: dict[str, torch.Tensor]
+                   ) -> tuple[tuple[int, ...], Callable[[], torch.Tensor]]:
+    """(shape, read) of this rank's slice of one expert parameter."""
+    where = str(ck.path)
     layer = int(module_name.split(".")[2])  # model.layers.{L}.mlp.experts
     start, count = module.expert_offset, module.num_experts
     if leaf in _PROJ:
@@ -145,13 +170,22 @@ def _expert_tensor(ck: Checkpoint, module_name: str, leaf: str, module: GroupedE
         if stack.shape[0] != module.num_global_experts:
             raise PretrainedError(f"{where}: layer {layer} has {stack.shape[0]} routed experts, "
                                   f"the config {module.num_global_experts}")
-        return stack[start:start + count]
+        return (count, *stack.shape[1:]), lambda: stack[start:start + count]
     fused, cols = _BIAS[leaf]
     theirs = f"{module_name}.{fused}"
-    if theirs not in ck.logical_names():
+    if theirs not in logical:
         raise PretrainedError(f"{where}: no tensor {theirs!r} for the experts' biases")
     used.add(theirs)
-    if theirs not in fused_bias:
-        fused_bias.clear()  # one layer's at a time
-        fused_bias[theirs] = ck.tensor(theirs, keep_dtype=True)[start:start + count]
-    return fused_bias[theirs][:, cols]
+    view = ck.tensor(theirs, keep_dtype=True)
+    width = len(range(view.shape[1])[cols]) if len(view.shape) == 2 else -1
+    if len(view.shape) != 2 or view.shape[0] != module.num_global_experts:
+        raise PretrainedError(f"{where}: {theirs} is {tuple(view.shape)}, expected "
+                              f"[{module.num_global_experts}, ...]")
+
+    def read() -> torch.Tensor:
+        if theirs not in fused_bias:
+            fused_bias.clear()  # one layer's at a time
+            fused_bias[theirs] = view[start:start + count]
+        return fused_bias[theirs][:, cols]
+
+    return (count, width), read
