@@ -16,7 +16,7 @@ from workbench.train.act_ckpt import apply_activation_checkpointing
 from workbench.train.config import TrainConfig
 from workbench.train.distributed import DistInfo, Layout, make_layout
 from workbench.train.fsdp import apply_fsdp
-from workbench.train.init import load_init
+from workbench.train.init import check_init_shapes, load_init
 from workbench.train.optim import AdamW
 from workbench.train.router_bias import sigmoid_routers
 
@@ -52,11 +52,12 @@ def model_config(cfg: TrainConfig):
 
 
 def build_model(cfg: TrainConfig, info: DistInfo, *, overwritten: bool = False,
-                layout: Layout | None = None) -> nn.Module:
+                layout: Layout | None = None, check_init: bool = False) -> nn.Module:
     """`overwritten`: every parameter is about to be loaded (--init or a checkpoint), so the
     seeded initialisation (drawn on CPU, seconds per billion parameters) is skipped and the
     parameters are left uninitialised; the loaders fail on any tensor they cannot fill.
-    `layout`: the EP group the experts are sliced over (default: EP size = world size)."""
+    `layout`: the EP group the experts are sliced over (default: EP size = world size).
+    `check_init`: check every shape against the --init checkpoint's index before allocating."""
     mcfg = model_config(cfg)
     ep = layout.ep if layout is not None else info.world
     ep_group = layout.ep_group if layout is not None else info.group
@@ -70,8 +71,11 @@ def build_model(cfg: TrainConfig, info: DistInfo, *, overwritten: bool = False,
                                dtype=torch.float32)
     else:
         # On the meta device the model skips reset_parameters (see MoEForCausalLM.__init__).
-        model = materialize_(MoEForCausalLM(mcfg, seed=cfg.seed, ep_group=ep_group,
-                                            device="meta", dtype=torch.float32), info.device)
+        meta = MoEForCausalLM(mcfg, seed=cfg.seed, ep_group=ep_group, device="meta",
+                              dtype=torch.float32)
+        if check_init:  # a config.json larger than its tensors fails here, not in an allocation
+            check_init_shapes(cfg.init, meta)
+        model = materialize_(meta, info.device)
     if layout is not None and layout.dp > 1:
         # The aux loss of the global batch, as at EP1 (MoEForCausalLM.balance_group).
         model.balance_group = info.group
@@ -116,7 +120,8 @@ def build(cfg: TrainConfig, info: DistInfo, *, resuming: bool = False) -> Built:
     """`resuming`: a checkpoint will overwrite every weight, so --init is not read."""
     cfg.check_world(info.world)
     layout = make_layout(info, cfg.ep, cfg.fsdp)
-    model = build_model(cfg, info, overwritten=resuming or bool(cfg.init), layout=layout)
+    model = build_model(cfg, info, overwritten=resuming or bool(cfg.init), layout=layout,
+                        check_init=bool(cfg.init) and not resuming)
     if cfg.router_bias_update and not sigmoid_routers(model):
         raise ModelConfigError(f"--router-bias-update moves the e_score_correction_bias of "
                                f"sigmoid routers (DeepSeek-V3, Kimi K2, GLM-4.5); this "

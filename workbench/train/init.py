@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from workbench.model import GroupedExperts, PretrainedError, load_pretrained_
+from workbench.model import GroupedExperts, PretrainedError, check_pretrained, load_pretrained_
 from workbench.model.hf import hf_name
 from workbench.train.distributed import DistInfo, all_reduce_sum
 
@@ -34,6 +34,15 @@ def load_init(path: str | Path, model: nn.Module, info: DistInfo) -> dict:
         raise InitError(f"--init {e}") from e
     _refuse_nonfinite(path, model, info)
     return stats
+
+
+def check_init_shapes(path: str | Path, model: nn.Module) -> None:
+    """InitError unless every parameter of `model` (a meta-device model is fine) has its tensor,
+    of its shape, in the checkpoint at `path`; reads only the index."""
+    try:
+        check_pretrained(model, path)
+    except PretrainedError as e:
+        raise InitError(f"--init {e}") from e
 
 
 def _refuse_nonfinite(path, model: nn.Module, info: DistInfo) -> None:
