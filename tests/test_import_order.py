@@ -58,6 +58,8 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("workbench.cli", "workbench.checkpoint"): CLI,
     ("workbench.cli", "workbench.report"): CLI,
     ("workbench.cli", "workbench.train.plan"): CLI,
+    ("workbench.cli", "workbench.train.args"): CLI,
+    ("workbench.cli", "workbench.train.cli"): CLI,
     ("workbench.cli", "workbench.compare_cli"): CLI,
     ("workbench.compare_cli", "workbench.analysis.compare"): CLI,
     ("workbench.compare_cli", "workbench.checkpoint"): CLI,
