@@ -152,7 +152,7 @@ def cli(argv: list[str] | None = None, prog: str = PROG) -> dict:
         return run(cfg)
     except (CheckpointError, ResumeConfigError, DataError, TokenizerError, ModelConfigError,
             InitError, RecipeError, TrainConfigError) as e:
-        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 
