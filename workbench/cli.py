@@ -67,7 +67,7 @@ def _plan(args) -> int:
                  ep=args.ep, fsdp=args.fsdp, act_ckpt=args.activation_checkpointing,
                  qat=args.recipe != "bf16")
     except (PlanError, ValueError) as e:  # SourceError is a ValueError
-        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        print(f"workbench {args.cmd}: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     print(p)
     return 0 if p.fits else 1
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (CheckpointError, InspectArgError, SourceError, ArgError) as e:
         msg = e.one_line() if isinstance(e, CheckpointError) else one_line(str(e))
-        print(f"error: {msg}", file=sys.stderr)
+        print(f"workbench {args.cmd}: error: {msg}", file=sys.stderr)
         return 2
 
 

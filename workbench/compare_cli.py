@@ -42,10 +42,10 @@ def run(args) -> int:
         result = compare(args.a, args.b, args.reference, metric=args.metric,
                          tol_pct=args.tol_pct, device=args.device, select=select)
     except CheckpointError as e:
-        print(f"error: {e.one_line()}", file=sys.stderr)
+        print(f"workbench {args.cmd}: error: {e.one_line()}", file=sys.stderr)
         return 2
     except (CompareError, SourceError, ValueError) as e:  # a selection that keeps nothing too
-        print(f"error: {one_line(str(e))}", file=sys.stderr)
+        print(f"workbench {args.cmd}: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     lines = []
     for label, ck in result.checkpoints.items():

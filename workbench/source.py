@@ -209,8 +209,11 @@ def cached_snapshot(repo_id: str, revision: str | None) -> Path | None:
     try:
         got = h.snapshot_download(repo_id, revision=revision, cache_dir=str(hub_cache()),
                                   local_files_only=True)
-    except EntryNotFoundError:  # LocalEntryNotFoundError, IncompleteSnapshotError
-        return None
+    except EntryNotFoundError as e:  # LocalEntryNotFoundError, IncompleteSnapshotError
+        # a partial snapshot (some files downloaded) is still where those files are: the
+        # caller checks what it needs
+        where = getattr(e, "snapshot_path", None)
+        return Path(where) if where else None
     except ValueError as e:  # an invalid repo id or revision by huggingface_hub's rules
         raise SourceError(f"{repo_id}: {str(e).splitlines()[0]}") from None
     return Path(got)
@@ -248,6 +251,10 @@ def _resolve_hub(spec: str, repo_id: str, rev: str | None, need: str) -> Source:
     if snap is not None and not missing:
         return Source(spec, "hub", snap, None, repo_id, snap.name, rev)
     name = f"{repo_id}@{rev}" if rev else repo_id
+    if offline() and snap is not None and need == "checkpoint" and _present(snap, "config.json"):
+        # a partial snapshot (the shards one rank downloaded, say): its files are read there,
+        # the rest only from the range cache, never from the network
+        return Source(spec, "hub", snap, f"hf://{repo_id}@{snap.name}", repo_id, snap.name, rev)
     if offline():
         what = "is not in the Hugging Face cache" if snap is None else \
             f"is in the Hugging Face cache without {_few(missing)}"
@@ -261,15 +268,34 @@ def _resolve_hub(spec: str, repo_id: str, rev: str | None, need: str) -> Source:
     patterns = ["config.json"] if need == "config" else list(TOKENIZER_FILES)
     try:
         got = Path(h.snapshot_download(repo_id, revision=commit, cache_dir=str(hub_cache()),
-                                       allow_patterns=patterns))
+                                       allow_patterns=patterns, endpoint=hub_endpoint()))
     except Exception as e:  # the HTTP errors of huggingface_hub: all mean "cannot fetch"
         raise SourceError(f"{name}: downloading {need} files failed "
                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
                           ) from e
+    remember_ref(repo_id, rev, commit)
     left = missing_files(got, need)
     if left:
         raise SourceError(f"{name} (commit {commit}) has no {_few(left)}")
     return Source(spec, "hub", got, None, repo_id, commit, rev)
+
+
+def remember_ref(repo_id: str, rev: str | None, commit: str) -> None:
+    """Record in the cache that ``rev`` (None: main) of ``repo_id`` is ``commit``, as
+    huggingface_hub does after resolving a branch (``refs/<rev>`` holding the commit), so the
+    id resolves offline later. Downloads go by commit, so every file of one run is of one
+    commit even if the branch moves meanwhile."""
+    rev = rev or "main"
+    if COMMIT.match(rev):
+        return
+    ref = hub_cache() / ("models--" + repo_id.replace("/", "--")) / "refs" / rev
+    try:
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
+        tmp.write_text(commit)
+        os.replace(tmp, ref)
+    except OSError:
+        pass  # a read-only cache: the next offline resolution names what is missing
 
 
 def resolve_commit(repo_id: str, rev: str | None) -> str:

@@ -12,6 +12,7 @@ answers the few Hugging Face Hub routes the hub client uses, for one repository 
 
 from __future__ import annotations
 
+import hashlib
 import http.server
 import json
 import re
@@ -29,6 +30,7 @@ class Fault:
     kind: str  # 500 | truncate | short206 | ignore_range | wrong_range | 503
     times: int = 1  # answer this many matching requests with the fault, then serve normally
     after: int = 0  # skip this many matching requests first
+    min_begin: int = 0  # only ranges that begin at or after this byte
 
 
 @dataclass
@@ -45,6 +47,7 @@ class RangeServer:
         self.log = Log()
         self.hub_repo, self.commit = hub_repo, commit
         self._lock = threading.Lock()
+        self._tls = threading.local()  # per request: the hub headers of the file asked for
         self._seen: dict[int, int] = {}
         server = self
 
@@ -56,6 +59,9 @@ class RangeServer:
 
             def do_GET(self):
                 server._handle(self)
+
+            def do_HEAD(self):
+                server._handle(self, head=True)
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
@@ -78,10 +84,10 @@ class RangeServer:
             self.log = Log()
 
     # -- answers --------------------------------------------------------------------------------
-    def _fault(self, name: str) -> str | None:
+    def _fault(self, name: str, begin: int) -> str | None:
         with self._lock:
             for i, f in enumerate(self.faults):
-                if f.file != name:
+                if f.file != name or begin < f.min_begin:
                     continue
                 n = self._seen.get(i, 0)
                 self._seen[i] = n + 1
@@ -90,18 +96,19 @@ class RangeServer:
         return None
 
     def _send(self, h, status: int, body: bytes, headers: dict, name: str | None,
-              count: bool = True, cut: int | None = None) -> None:
+              count: bool = True, cut: int | None = None, head: bool = False) -> None:
         h.send_response(status)
-        for k, v in headers.items():
+        for k, v in {**getattr(self._tls, 'extra', {}), **headers}.items():
             h.send_header(k, v)
         h.send_header("Content-Length", str(len(body)))
         if cut is not None:
             h.send_header("Connection", "close")
         h.end_headers()
-        sent = body if cut is None else body[:cut]
+        sent = b"" if head else body if cut is None else body[:cut]
         h.wfile.write(sent)
         with self._lock:
-            self.log.requests.append(("GET", name, h.headers.get("Range"), status))
+            self.log.requests.append(("HEAD" if head else "GET", name, h.headers.get("Range"),
+                                      status))
             if count and 200 <= status < 300 and name is not None:
                 self.log.served += len(sent)
                 self.log.per_file[name] = self.log.per_file.get(name, 0) + len(sent)
@@ -109,11 +116,12 @@ class RangeServer:
             h.wfile.flush()
             h.close_connection = True
 
-    def _handle(self, h) -> None:
+    def _handle(self, h, head: bool = False) -> None:
+        self._tls.extra = {}
         path = urllib.parse.unquote(urllib.parse.urlsplit(h.path).path)
         if self.hub_repo is not None:
             api = f"/api/models/{self.hub_repo}"
-            if path.startswith(api + "/revision/"):
+            if path == api or path.startswith(api + "/revision/"):
                 doc = {"id": self.hub_repo, "sha": self.commit, "siblings": [
                     {"rfilename": n} for n in self._names()]}
                 return self._send(h, 200, json.dumps(doc).encode(),
@@ -127,23 +135,30 @@ class RangeServer:
             if not path.startswith(prefix):
                 return self._send(h, 404, b"", {}, None)
             rev, _, rel = path[len(prefix):].partition("/")
-            if rev != self.commit:
+            if rev not in (self.commit, "main"):
                 return self._send(h, 404, b"", {}, None)
             path = "/" + rel
+            f = self.folder / rel
+            if f.is_file():  # what huggingface_hub's downloads read from a HEAD
+                self._tls.extra = {"X-Repo-Commit": self.commit,
+                               "ETag": '"' + hashlib.sha256(f.read_bytes()).hexdigest() + '"'}
         name = path.lstrip("/")
         f = (self.folder / name).resolve()
         if not f.is_relative_to(self.folder.resolve()) or not f.is_file():
             return self._send(h, 404, b"", {}, name)
         data = f.read_bytes()
         size = len(data)
-        fault = self._fault(name)
+        if head:
+            return self._send(h, 200, data, {}, name, count=False, head=True)
+        rng = h.headers.get("Range")
+        m = _RANGE.match(rng.strip()) if rng is not None else None
+        fault = self._fault(name, int(m.group(1)) if m else 0)
         if fault in ("500", "503"):
             return self._send(h, int(fault), b"", {}, name)
         rng = h.headers.get("Range")
         if rng is None or fault == "ignore_range":
             return self._send(h, 200, data, {"ETag": '"v1"'}, name,
                               cut=size // 2 if fault == "truncate" else None)
-        m = _RANGE.match(rng.strip())
         if not m:
             return self._send(h, 416, b"", {"Content-Range": f"bytes */{size}"}, name)
         b = int(m.group(1))

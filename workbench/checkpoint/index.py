@@ -46,6 +46,7 @@ from .errors import (
     UnsafePathError,
     ValidationError,
 )
+from .remote import RemotePath
 from .safe_io import (
     INDEX_CAP,
     checkpoint_root,
@@ -163,7 +164,7 @@ def parse_header(path: Path, root: Path | None = None, *, remote=None
     ``remote``, whose header bytes are fetched by range and checked by the same code."""
     if remote is not None:
         size, head = remote.open_shard(path)
-        return check_header(path, size, head, lambda n: remote.read(path, 8, 8 + n))
+        return check_header(path, size, head, lambda n: remote.read(path, 8, 8 + n, data=False))
     root = checkpoint_root(path.parent) if root is None else root
     fd, size = open_regular(path, root)
     try:
@@ -283,13 +284,22 @@ class ShardIndex:
         self.files: list[Path] = []
         self._ends: dict[Path, int] | None = None  # per shard, where its last tensor ends
         if remote is not None:
-            self.folder, self.root = remote.root, None
+            # a hybrid: shards already on local disk are read there, the others by range
+            self.folder, self.root = remote.root, remote.local_root
         else:
             self.folder = Path(folder)
             if not self.folder.is_dir():
                 raise MissingFileError("checkpoint folder does not exist", path=self.folder)
             self.root = checkpoint_root(self.folder)
         self._build()
+
+    def relname(self, path) -> str:
+        """The name of shard ``path`` relative to the checkpoint folder (as an index writes
+        it)."""
+        if isinstance(path, RemotePath):
+            return path.url[len(self.folder.url) + 1:]
+        base = self.remote.local if self.remote is not None else self.folder
+        return Path(path).relative_to(base).as_posix()
 
     @property
     def is_local(self) -> bool:
@@ -299,12 +309,18 @@ class ShardIndex:
     # -- the folder's files, local or remote -------------------------------------------------
     def _shard(self, name, *, source, tensor: str | None = None):
         """The checked path of a shard the index (or the folder) names."""
-        if self.remote is not None:
-            return self.remote.path(name, source=source, tensor=tensor)
-        return safe_shard_path(self.folder, name, source=source, tensor=tensor, root=self.root)
+        if self.remote is None:
+            return safe_shard_path(self.folder, name, source=source, tensor=tensor,
+                                   root=self.root)
+        path = self.remote.path(name, source=source, tensor=tensor)  # the remote name rules
+        if self.remote.local_file(name) is not None:
+            return safe_shard_path(self.remote.local, name, source=source, tensor=tensor,
+                                   root=self.root)
+        return path
 
     def _header(self, path) -> dict[str, TensorEntry]:
-        return parse_header(path, self.root, remote=self.remote)
+        return parse_header(path, self.root,
+                            remote=self.remote if isinstance(path, RemotePath) else None)
 
     def _headers(self, paths: list) -> list:
         """Each shard's entries, or the CheckpointError it raised; a remote folder's headers
@@ -467,7 +483,7 @@ class ShardIndex:
         `index` holds ints and slices (steps allowed), one per leading dimension.
         """
         e = self.entry(name)
-        if self.remote is not None:
+        if isinstance(e.file, RemotePath):
             out = self._read_ranged(e, name, index)
             self._count(name, out.numel() * out.element_size())
             return out
@@ -504,7 +520,7 @@ class ShardIndex:
             raise ValueError(f"{name}: read_into needs a contiguous CPU {e.dtype} tensor of "
                              f"shape {shape}, got {out.dtype} {tuple(out.shape)} on "
                              f"{out.device}{'' if out.is_contiguous() else ' (strided)'}")
-        if first is None or (not _PREADV and self.remote is None):
+        if first is None or (not _PREADV and not isinstance(e.file, RemotePath)):
             out.copy_(self.read(name, index))
             return out
         nbytes = count * e.dtype.itemsize
@@ -519,7 +535,7 @@ class ShardIndex:
         """``buf`` <- the bytes of shard ``path`` from ``offset``: preadv on the shard's cached
         descriptor, or range reads of the remote folder; complete, or an error naming the
         file and the tensor."""
-        if self.remote is not None:
+        if isinstance(path, RemotePath):
             self.remote.pread(path, buf, offset, tensor=name)
             return
         fd = self._acquire_fd(path, name)

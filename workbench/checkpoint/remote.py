@@ -26,14 +26,15 @@ import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from workbench.source import Source, hf, hub_endpoint
+from workbench.source import Source, hf, hub_endpoint, offline
 
 from .errors import ConfigError, MissingFileError, RemoteReadError, UnsafePathError
 from .http import FetchError, HttpClient, NotFound, Permanent, Reply, Transient
 from .range_cache import RangeCache
-from .safe_io import parse_json
+from .safe_io import checkpoint_root, parse_json, read_capped
 
 PIECE = 32 << 20  # bytes per request: bounds memory per request and the work a retry repeats
 
@@ -59,11 +60,20 @@ class RetryPolicy:
 @dataclass(frozen=True)
 class RemoteOptions:
     """How remote checkpoints are read: the range cache (``"default"``: `RangeCache.default`,
-    None: no cache), retries, and whether a progress bar shows the bytes fetched."""
+    None: no cache), retries, whether a progress bar shows the bytes fetched, and whether
+    tensor data may come over the network at all (``fetch_data=False``: only headers and small
+    files may; a trainer sets it once its shards are downloaded, so a read it did not plan for
+    is an error rather than a network dependency in the middle of a run)."""
 
     cache: RangeCache | str | None = "default"
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     progress: bool = True
+    fetch_data: bool = True
+    piece_bytes: int = PIECE  # bytes per request
+
+    def __post_init__(self):
+        if self.piece_bytes < 1:
+            raise ValueError(f"piece_bytes must be >= 1, got {self.piece_bytes}")
 
     def range_cache(self) -> RangeCache | None:
         if self.cache == "default":
@@ -219,8 +229,10 @@ class _Fsspec:
 
 def _hub_transport(src: Source, timeout_s: float) -> _Http:
     h = hf()
+    from huggingface_hub.utils import build_hf_headers
+
     repo, commit = src.repo_id, src.revision
-    headers = h.utils.build_hf_headers()  # the token from HF_TOKEN or `hf auth login`, if any
+    headers = build_hf_headers()  # the token from HF_TOKEN or `hf auth login`, if any
 
     def lister() -> list[str]:
         return h.HfApi(endpoint=hub_endpoint()).list_repo_files(repo, revision=commit)
@@ -243,6 +255,8 @@ class RemoteFolder:
         self.cache = self.options.range_cache()
         self.stats = FetchStats()
         url = source.url
+        # a hub id under HF_HUB_OFFLINE: local files and the range cache only
+        self.offline = source.kind == "hub" and offline()
         if source.kind == "hub":
             self.transport = _hub_transport(source, self.retry.timeout_s)
             self.immutable = True  # named by commit: a range's bytes never change
@@ -253,6 +267,9 @@ class RemoteFolder:
             self.transport = _Fsspec(url)
             self.immutable = False
         self.root = RemotePath(url)
+        # files already on local disk (a partial cache snapshot, a download folder): read there
+        self.local = Path(source.path) if source.path is not None else None
+        self.local_root = checkpoint_root(self.local) if self.local is not None else None
         self._lock = threading.Lock()
         self._ident: dict[str, str] = {}  # file name -> identity for cache keys
         self._bar = None
@@ -269,16 +286,30 @@ class RemoteFolder:
             raise ValueError(f"{path!r} is not a file of {self.root}")
         return path.url[len(self.root.url) + 1:]
 
+    def local_file(self, name: str) -> Path | None:
+        """``name`` in the local folder, when it is a file there (a dangling cache link is
+        not)."""
+        if self.local is None:
+            return None
+        p = self.local / name
+        return p if p.is_file() else None
+
     # -- whole small files ----------------------------------------------------------------------
     def read_small(self, name: str, cap: int, *, what: str = "file") -> bytes | None:
-        """All bytes of ``name`` (at most ``cap``), or None when the server has no such file."""
+        """All bytes of ``name`` (at most ``cap``), or None when the server has no such file;
+        from the local folder when it holds the file."""
         path = self.path(name)
+        local = self.local_file(name)
+        if local is not None:
+            return read_capped(local, self.local_root, cap, what=what)
         key = f"{path.url}|whole" if self.immutable else None
         if key is not None and self.cache is not None:
             data = self.cache.get(key)
             if data is not None and len(data) <= cap:
                 self._count_cached(len(data))
                 return data
+        if self.offline:
+            return None  # offline, a file the snapshot lacks counts as absent
         try:
             reply = self._fetch(path, None, None, cap=cap, tensor=None)
         except RemoteReadError as e:
@@ -344,16 +375,22 @@ class RemoteFolder:
         return reply.total, reply.data
 
     def pread(self, path: RemotePath, buf: memoryview, offset: int,
-              tensor: str | None = None) -> None:
+              tensor: str | None = None, *, data: bool = True) -> None:
         """Fill ``buf`` with the bytes of ``path`` from ``offset``: from the cache where it
-        holds them, else fetched in pieces of at most ``PIECE`` bytes."""
+        holds them, else fetched in pieces of at most ``piece_bytes``. ``data`` False marks a
+        header read (allowed when `RemoteOptions.fetch_data` is off)."""
         n = len(buf)
         with self._lock:
             ident = self._ident.get(path.url)
         if ident is None:
             raise RuntimeError(f"{path}: open_shard first")
-        for lo in range(0, n, PIECE):
-            hi = min(n, lo + PIECE)
+        if data and not self.options.fetch_data:
+            raise RemoteReadError("this tensor's shard was not downloaded before the run and "
+                                  "network reads of tensor data are off (fetch_data=False)",
+                                  path=path, tensor=tensor)
+        piece = self.options.piece_bytes
+        for lo in range(0, n, piece):
+            hi = min(n, lo + piece)
             b, e = offset + lo, offset + hi
             key = f"{ident}|{b}|{e}"
             data = self.cache.get(key, e - b) if self.cache is not None else None
@@ -365,14 +402,29 @@ class RemoteFolder:
                     self.cache.put(key, data)
             buf[lo:hi] = data
 
-    def read(self, path: RemotePath, begin: int, end: int, tensor: str | None = None) -> bytes:
+    def read(self, path: RemotePath, begin: int, end: int, tensor: str | None = None, *,
+             data: bool = True) -> bytes:
         out = bytearray(end - begin)
-        self.pread(path, memoryview(out), begin, tensor)
+        self.pread(path, memoryview(out), begin, tensor, data=data)
         return bytes(out)
 
     # -- network --------------------------------------------------------------------------------
+    def identity(self, path: RemotePath) -> str:
+        """What ranges of ``path`` are cached under (`open_shard` sets it)."""
+        with self._lock:
+            return self._ident[path.url]
+
+    def fetch(self, path: RemotePath, begin: int, end: int) -> bytes:
+        """Bytes ``[begin, end)`` of ``path`` from the network (not the range cache): for
+        downloads, which keep their own files."""
+        return self._fetch(path, begin, end, tensor=None).data
+
     def _fetch(self, path: RemotePath, begin: int | None, end: int | None, *,
                cap: int | None = None, tensor: str | None) -> Reply:
+        if self.offline:
+            raise RemoteReadError("not in the Hugging Face cache or the range cache, and "
+                                  "HF_HUB_OFFLINE=1 allows no download", path=path,
+                                  tensor=tensor)
         name = self._name(path)
         what = "the file" if begin is None else f"bytes [{begin}, {end})"
         reply = self._retrying(lambda: self.transport.get(name, begin, end, cap), path, tensor,
