@@ -91,6 +91,22 @@ def test_one_layer_costs_that_layer_and_matches_the_local_table(ckpt):
     assert set(got.experts.layer) == {LAYER}
 
 
+@pytest.mark.parametrize("reader", ["window", "preadv", "safetensors"])
+def test_every_reader_fetches_only_the_layer(ckpt, monkeypatch, reader):
+    """Whatever stack reader is asked for, a remote checkpoint's reads are the tensors' own
+    ranges (the window reader, which reads through the bytes between tensors, is not used)."""
+    from workbench.analysis import fast
+
+    monkeypatch.setattr(fast, "READER", reader)
+    wanted, _, meta = expected_bytes(ckpt, f"model.layers.{LAYER}.mlp.experts.")
+    with RangeServer(ckpt) as srv:
+        ck = open_checkpoint(srv.url, remote=opts())
+        got = inspect_checkpoint(ck, select=Selection.of(layers=LAYER), device="cpu",
+                                 progress=False, ).tables
+        assert srv.log.served == wanted + meta
+    assert got.experts.to_csv() == table(open_checkpoint(ckpt)).experts.to_csv()
+
+
 def test_selection_of_layers_and_experts_reads_only_those(ckpt):
     sel = Selection.of(layers="0-1,39", experts="2-3")
     wanted = sum(expected_bytes(ckpt, f"model.layers.{L}.mlp.experts.{e}.")[0]

@@ -17,6 +17,7 @@ from workbench.train.config import TrainConfig
 from workbench.train.distributed import DistInfo, Layout, make_layout
 from workbench.train.fsdp import apply_fsdp
 from workbench.train.init import load_init
+from workbench.train.init_source import init_checkpoint, init_config_folder
 from workbench.train.optim import AdamW
 
 # The routed experts are what QAT fake-quantizes and what the packed export packs; attention,
@@ -44,7 +45,8 @@ def lr_factor(i: int, *, warmup: int, steps: int, min_ratio: float) -> float:
 def model_config(cfg: TrainConfig):
     """The model's MoEConfig: the preset's, or (no preset) the --init checkpoint's config.json.
     max_seq_len grows to --seq when a run trains on longer sequences than the preset lists."""
-    mcfg = preset(cfg.preset) if cfg.preset is not None else from_checkpoint(cfg.init)
+    mcfg = preset(cfg.preset) if cfg.preset is not None else \
+        from_checkpoint(init_config_folder(cfg.init))
     return mcfg.replace(max_seq_len=max(cfg.seq, mcfg.max_seq_len))
 
 
@@ -114,7 +116,8 @@ def build(cfg: TrainConfig, info: DistInfo, *, resuming: bool = False) -> Built:
     layout = make_layout(info, cfg.ep, cfg.fsdp)
     model = build_model(cfg, info, overwritten=resuming or bool(cfg.init), layout=layout)
     if cfg.init and not resuming:
-        load_init(cfg.init, model, info)  # before FSDP: into the plain EP-local tensors
+        # a remote --init: this rank's shards are downloaded first (train.init_source)
+        load_init(init_checkpoint(cfg.init, model, progress=info.is_main), model, info)
     report = prepare_qat(model, cfg)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if layout.fsdp:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from workbench.checkpoint import Checkpoint
 from workbench.checkpoint.dcp import CheckpointStorageReader, LocalChunkLoadPlanner
 from workbench.model.experts import GroupedExperts
 from workbench.train.distributed import DistInfo
@@ -49,9 +50,11 @@ def init_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str
 
 
 @torch.no_grad()
-def load_init(path: str | Path, model: nn.Module, info: DistInfo) -> dict:
-    """Collective: fill `model` from the HF checkpoint at `path`; returns read statistics."""
-    reader = CheckpointStorageReader(str(path))
+def load_init(path: str | Path | Checkpoint, model: nn.Module, info: DistInfo) -> dict:
+    """Collective: fill `model` from the HF checkpoint at `path` (or an opened one, e.g.
+    `workbench.train.init_source.init_checkpoint`); returns read statistics."""
+    reader = CheckpointStorageReader(path)
+    path = reader.ck.source.label()
     md = reader.read_metadata().state_dict_metadata
     sd, offsets = init_state_dict(model)
     for name, t in sd.items():
