@@ -105,13 +105,14 @@ class RangeServer:
             h.send_header("Connection", "close")
         h.end_headers()
         sent = b"" if head else body if cut is None else body[:cut]
-        h.wfile.write(sent)
+        # logged before the body goes out: a client that has its reply finds it in the log
         with self._lock:
             self.log.requests.append(("HEAD" if head else "GET", name, h.headers.get("Range"),
                                       status))
             if count and 200 <= status < 300 and name is not None:
                 self.log.served += len(sent)
                 self.log.per_file[name] = self.log.per_file.get(name, 0) + len(sent)
+        h.wfile.write(sent)
         if cut is not None:
             h.wfile.flush()
             h.close_connection = True

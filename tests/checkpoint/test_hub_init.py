@@ -16,6 +16,7 @@ from hub_cache import add_snapshot, commit_of
 from range_server import RangeServer
 from safetensors.torch import load_file, save_file
 
+from workbench.checkpoint import RemoteReadError
 from workbench.model import MoEForCausalLM, tiny
 from workbench.model.experts import GroupedExperts
 from workbench.train import distributed
@@ -147,6 +148,10 @@ def test_a_rank_downloads_only_its_experts_shards(init_folder, tmp_path, monkeyp
         srv.reset()
         load_init(ck, model, distributed.setup())
         assert srv.log.requests == []  # loading touched no network
+        # another rank's expert is not on disk: an error naming it, not a download
+        with pytest.raises(RemoteReadError, match="fetch_data=False") as e:
+            ck.expert_weight(0, 1, "gate").materialize()
+        assert ".experts.1.gate_proj" in e.value.tensor and srv.log.requests == []
     ref = _rank1_model()
     load_init(init_folder, ref, distributed.setup())
     a, b = _params(model), _params(ref)

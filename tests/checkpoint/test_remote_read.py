@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from range_server import Fault, RangeServer
+from safetensors.torch import load_file, save_file
 from writers import write_ct
 
 from workbench.analysis import candidate_errors, inspect_checkpoint
@@ -36,11 +37,34 @@ def opts(cache=None, retry=FAST) -> RemoteOptions:
     return RemoteOptions(cache=cache, retry=retry, progress=False)
 
 
+def reshard_by_layer(src: Path, dst: Path, layers_per_shard: int) -> Path:
+    """``src``'s tensors in shards of consecutive layers, names sorted inside each (as
+    transformers' save_pretrained lays a checkpoint out), the rest in the last shard."""
+    tensors = load_file(src / "model.safetensors")
+    shards = -(-LAYERS // layers_per_shard) + 1
+
+    def shard(name: str) -> str:
+        i = int(name.split(".")[2]) // layers_per_shard if name.startswith("model.layers.") \
+            else shards - 1
+        return f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+
+    dst.mkdir(parents=True)
+    wmap = {n: shard(n) for n in sorted(tensors)}
+    for f in sorted(set(wmap.values())):
+        save_file({n: tensors[n] for n in sorted(tensors) if wmap[n] == f}, str(dst / f))
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {},
+                                                                  "weight_map": wmap}))
+    shutil.copyfile(src / "config.json", dst / "config.json")
+    return dst
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    """40 layers x 4 experts, MXFP4 (compressed-tensors), five shards with an index."""
-    return write_ct(tmp_path_factory.mktemp("remote") / "ck", "mxfp4", layers=LAYERS,
-                    experts=4, shards=5)
+    """40 layers x 4 experts, MXFP4 (compressed-tensors), in six shards of 8 layers (and one of
+    the embeddings and head) with an index."""
+    base = tmp_path_factory.mktemp("remote")
+    one = write_ct(base / "one", "mxfp4", layers=LAYERS, experts=4, shards=1)
+    return reshard_by_layer(one, base / "ck", 8)
 
 
 def header_of(path: Path) -> tuple[int, dict]:
@@ -98,13 +122,16 @@ def test_every_reader_fetches_only_the_layer(ckpt, monkeypatch, reader):
     from workbench.analysis import fast
 
     monkeypatch.setattr(fast, "READER", reader)
-    wanted, _, meta = expected_bytes(ckpt, f"model.layers.{LAYER}.mlp.experts.")
+    sel = Selection.of(layers="29-30", experts="1-2")  # two runs with other tensors between
+    wanted = sum(expected_bytes(ckpt, f"model.layers.{L}.mlp.experts.{e}.")[0]
+                 for L in (29, 30) for e in (1, 2))
+    _, _, meta = expected_bytes(ckpt, "-")
     with RangeServer(ckpt) as srv:
         ck = open_checkpoint(srv.url, remote=opts())
-        got = inspect_checkpoint(ck, select=Selection.of(layers=LAYER), device="cpu",
-                                 progress=False, ).tables
+        got = inspect_checkpoint(ck, select=sel, device="cpu", progress=False).tables
         assert srv.log.served == wanted + meta
-    assert got.experts.to_csv() == table(open_checkpoint(ckpt)).experts.to_csv()
+    want = inspect_checkpoint(open_checkpoint(ckpt), select=sel, device="cpu", progress=False)
+    assert got.experts.to_csv() == want.tables.experts.to_csv()
 
 
 def test_selection_of_layers_and_experts_reads_only_those(ckpt):
@@ -138,7 +165,7 @@ def test_the_range_cache_serves_a_second_read(ckpt, tmp_path):
         # a plain server's files may change: the index, config and each shard's first 8
         # bytes (its size and ETag) are asked again, every range comes from the cache
         small = (ckpt / "model.safetensors.index.json").stat().st_size + \
-            (ckpt / "config.json").stat().st_size + 8 * 5
+            (ckpt / "config.json").stat().st_size + 8 * len(list(ckpt.glob("*.safetensors")))
         assert srv.log.served == small
         assert ck.fetch_stats.cached > 0
     assert first.experts.to_csv() == again.experts.to_csv()
@@ -160,7 +187,7 @@ def test_a_corrupted_cache_entry_is_fetched_again(ckpt, tmp_path):
 
 
 def test_a_500_then_success_is_retried(ckpt):
-    shard = "model-00002-of-00005.safetensors"
+    shard = "model-00004-of-00006.safetensors"  # layers 24-31
     with RangeServer(ckpt) as srv:
         srv.faults = [Fault(shard, "500", times=2), Fault("model.safetensors.index.json",
                                                           "503", times=1)]
@@ -201,11 +228,12 @@ def test_a_lasting_bad_reply_is_a_typed_error_naming_file_and_tensor(ckpt, tmp_p
             table(ck)
         assert e.value.path == f"{srv.url}/{shard}"
         assert e.value.tensor.startswith(f"model.layers.{LAYER}.mlp.experts.")
-        # retried only when trying again may help, and then exactly as the policy says
+        # retried only when trying again may help, and then as often as the policy says (the
+        # range that raised; reads of other ranges in flight meanwhile may be fewer tries in)
         tries = [r for _, f, r, _ in srv.log.requests if f == shard]
         per_range = {r: tries.count(r) for r in tries}
         want = FAST.attempts if kind in ("truncate", "500") else 1
-        assert set(per_range.values()) == {want}
+        assert max(per_range.values()) == want
         # nothing of a failed range was kept: once the server behaves, the same cache gives
         # the local table
         srv.faults = []
@@ -215,7 +243,7 @@ def test_a_lasting_bad_reply_is_a_typed_error_naming_file_and_tensor(ckpt, tmp_p
 
 def test_a_header_claiming_more_bytes_than_the_file(ckpt, tmp_path):
     bad = shutil.copytree(ckpt, tmp_path / "bad")
-    shard = bad / "model-00003-of-00005.safetensors"
+    shard = bad / "model-00003-of-00006.safetensors"
     n, header = header_of(shard)
     last = max((k for k in header if k != "__metadata__"),
                key=lambda k: header[k]["data_offsets"][1])
@@ -230,7 +258,7 @@ def test_a_header_claiming_more_bytes_than_the_file(ckpt, tmp_path):
 
 def test_a_header_length_past_the_end_of_the_file(ckpt, tmp_path):
     bad = shutil.copytree(ckpt, tmp_path / "bad")
-    shard = bad / "model-00001-of-00005.safetensors"
+    shard = bad / "model-00001-of-00006.safetensors"
     raw = bytearray(shard.read_bytes())
     raw[:8] = struct.pack("<Q", len(raw))
     shard.write_bytes(bytes(raw))
@@ -262,11 +290,11 @@ def test_a_remote_index_naming_a_shard_outside_the_repo(ckpt, tmp_path, name):
 
 def test_a_missing_shard_and_a_missing_folder(ckpt, tmp_path):
     bad = shutil.copytree(ckpt, tmp_path / "bad")
-    (bad / "model-00004-of-00005.safetensors").unlink()
+    (bad / "model-00004-of-00006.safetensors").unlink()
     with RangeServer(bad) as srv:
         with pytest.raises(MissingFileError) as e:
             open_checkpoint(srv.url, remote=opts())
-        assert e.value.path == f"{srv.url}/model-00004-of-00005.safetensors"
+        assert e.value.path == f"{srv.url}/model-00004-of-00006.safetensors"
         with pytest.raises(MissingFileError, match="cannot list"):
             open_checkpoint(srv.url + "/nothing-here", remote=opts())
 
