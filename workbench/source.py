@@ -147,7 +147,7 @@ def hub_endpoint() -> str:
 def parse_hub_id(spec: str) -> tuple[str, str | None] | None:
     """(repo id, revision or None) of ``hf://ORG/NAME[@REV]`` or ``ORG/NAME[@REV]``, else None.
     A revision is a branch, tag or commit (``refs/pr/3`` included)."""
-    body = spec[len("hf://"):] if spec.startswith("hf://") else spec
+    body = spec.removeprefix("hf://")
     if spec.startswith("hf://") and body.startswith("models/"):
         body = body[len("models/"):]
     repo, at, rev = body.partition("@")
@@ -303,7 +303,11 @@ def resolve_commit(repo_id: str, rev: str | None) -> str:
     if rev is not None and COMMIT.match(rev):
         return rev
     h = hf()
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     name = f"{repo_id}@{rev}" if rev else repo_id
     try:

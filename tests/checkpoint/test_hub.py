@@ -139,10 +139,10 @@ def test_cli_offline_missing_id_is_one_error_line(home, tmp_path, capsys):
     r = subprocess.run([sys.executable, "-m", "workbench.cli", "inspect", "org/none", "--out",
                         str(tmp_path / "o")], capture_output=True, text=True, timeout=300,
                        cwd=ROOT, env=env(home), check=False)
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        f"workbench inspect: error: org/none is not in the Hugging Face cache "
-        f"({home / 'hub'}) and HF_HUB_OFFLINE=1 allows no download: fetch it first (hf "
-        "download org/none) or unset HF_HUB_OFFLINE"], r.stderr
+    want = (f"workbench inspect: error: org/none is not in the Hugging Face cache "
+            f"({home / 'hub'}) and HF_HUB_OFFLINE=1 allows no download: fetch it first (hf "
+            "download org/none) or unset HF_HUB_OFFLINE")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [want], r.stderr
     for argv in (["compare", "org/none", "ptq:mxfp4", "--reference", "org/tiny"],
                  ["compare", "ptq:mxfp4@org/none@v1", "ptq:nvfp4@org/tiny"],
                  ["plan", "org/none", "--gpus", "1"],

@@ -85,6 +85,7 @@ def test_build_with_an_id_loads_what_the_folder_loads(home, init_folder, tmp_pat
     assert all(torch.equal(a[k], ref[k].to(torch.bfloat16).to(a[k].dtype)) for k in a)
 
 
+@pytest.mark.slow
 def test_jobs_qat_with_an_id_records_what_it_resolved_to(home, tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

@@ -60,7 +60,7 @@ def test_an_uncached_id_is_read_by_range_at_its_commit(hub, ckpt):
     for layer, e in ((0, 0), (3, 7)):
         assert torch.equal(ck.expert_weight(layer, e, "up").materialize(),
                            local.expert_weight(layer, e, "up").materialize())
-    assert all(f is None or f.endswith(".json") or f.endswith(".safetensors")
+    assert all(f is None or f.endswith((".json", ".safetensors"))
                for _, f, _, _ in hub.log.requests)
 
 
@@ -130,7 +130,7 @@ def test_a_url_prefetch_resumes_and_refuses_unplanned_reads(ckpt, tmp_path, monk
         piece = 4096
         srv.faults = [Fault(shard, "truncate", min_begin=2 * piece, times=FAST.attempts)]
         with pytest.raises(RemoteReadError):
-            prefetch(srv.url, experts=range(0, 4), options=opts(cache=None, piece_bytes=piece))
+            prefetch(srv.url, experts=range(4), options=opts(cache=None, piece_bytes=piece))
         from workbench.checkpoint.fetch import download_folder
 
         part = download_folder(srv.url) / (shard + ".incomplete")
@@ -139,13 +139,13 @@ def test_a_url_prefetch_resumes_and_refuses_unplanned_reads(ckpt, tmp_path, monk
         # ...the second continues from there: the shard's first bytes are not asked again
         srv.faults = []
         srv.reset()
-        src = prefetch(srv.url, experts=range(0, 4), options=opts(cache=None, piece_bytes=piece))
+        src = prefetch(srv.url, experts=range(4), options=opts(cache=None, piece_bytes=piece))
         ranges = [r for _, f, r, _ in srv.log.requests if f == shard]
         last = len(ranges) - 1 - ranges[::-1].index("bytes=0-7")  # the download's first ask
         assert ranges[last + 1:] and all(int(r.split("=")[1].split("-")[0]) >= kept
                                          for r in ranges[last + 1:])
         assert (src.path / shard).read_bytes() == (ckpt / shard).read_bytes()
-        ck = open_prefetched(src, experts=range(0, 4), options=opts(cache=None))
+        ck = open_prefetched(src, experts=range(4), options=opts(cache=None))
         assert torch.equal(ck.expert_weight(0, 1, "gate").materialize(),
                            open_checkpoint(ckpt).expert_weight(0, 1, "gate").materialize())
 

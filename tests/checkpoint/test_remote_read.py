@@ -202,7 +202,7 @@ def test_a_500_then_success_is_retried(ckpt):
 def _first_expert_part(ckpt: Path) -> tuple[str, str]:
     """(shard, tensor) of layer LAYER's first stored expert part, from the index."""
     wmap = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
-    name = sorted(n for n in wmap if n.startswith(f"model.layers.{LAYER}.mlp.experts.0."))[0]
+    name = min(n for n in wmap if n.startswith(f"model.layers.{LAYER}.mlp.experts.0."))
     return wmap[name], name
 
 
@@ -244,13 +244,12 @@ def test_a_lasting_bad_reply_is_a_typed_error_naming_file_and_tensor(ckpt, tmp_p
 def test_a_header_claiming_more_bytes_than_the_file(ckpt, tmp_path):
     bad = shutil.copytree(ckpt, tmp_path / "bad")
     shard = bad / "model-00003-of-00006.safetensors"
-    n, header = header_of(shard)
+    _, header = header_of(shard)
     last = max((k for k in header if k != "__metadata__"),
                key=lambda k: header[k]["data_offsets"][1])
     shard.write_bytes(shard.read_bytes()[:-5])  # the header still claims the full length
-    with RangeServer(bad) as srv:
-        with pytest.raises(CorruptShardError, match="ends past") as e:
-            open_checkpoint(srv.url, remote=opts())
+    with RangeServer(bad) as srv, pytest.raises(CorruptShardError, match="ends past") as e:
+        open_checkpoint(srv.url, remote=opts())
     assert e.value.path == f"{srv.url}/{shard.name}" and e.value.tensor == last
     with pytest.raises(CorruptShardError, match="ends past"):  # the local reader agrees
         open_checkpoint(bad)
@@ -276,7 +275,7 @@ def test_a_remote_index_naming_a_shard_outside_the_repo(ckpt, tmp_path, name):
     bad = shutil.copytree(ckpt, tmp_path / "bad")
     idx = bad / "model.safetensors.index.json"
     doc = json.loads(idx.read_text())
-    victim = sorted(doc["weight_map"])[0]
+    victim = min(doc["weight_map"])
     doc["weight_map"][victim] = name
     idx.write_text(json.dumps(doc))
     with RangeServer(bad) as srv:

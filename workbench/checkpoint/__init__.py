@@ -45,9 +45,9 @@ from .views import LogicalTensor, StackView, StoredView
 
 __all__ = [
     "Checkpoint", "CheckpointError", "ConfigError", "ConfigGroup", "CorruptShardError",
-    "DtypeMismatchError", "ExpertRecord", "FormatMismatchError", "LogicalSpec", "LogicalTensor",
-    "FetchStats", "MissingCompanionError", "MissingFileError", "MissingTensorError", "QuantConfig",
-    "RangeCache", "RemoteOptions", "RemoteReadError", "RetryPolicy", "Selection",
+    "DtypeMismatchError", "ExpertRecord", "FetchStats", "FormatMismatchError", "LogicalSpec",
+    "LogicalTensor", "MissingCompanionError", "MissingFileError", "MissingTensorError",
+    "QuantConfig", "RangeCache", "RemoteOptions", "RemoteReadError", "RetryPolicy", "Selection",
     "ShapeMismatchError", "ShardIndex", "StackView", "StoredView", "TensorEntry",
     "UncoveredTensorError", "UnknownFormatError", "UnsafePathError", "ValidationError",
     "WeightArgs", "load_quant_config", "open_checkpoint",

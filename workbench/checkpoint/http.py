@@ -18,7 +18,6 @@ from __future__ import annotations
 import http.client
 import os
 import re
-import socket
 import ssl
 import threading
 import urllib.parse
@@ -229,7 +228,7 @@ def _read_exact(resp: http.client.HTTPResponse, n: int) -> bytes:
         data = resp.read(n)
     except http.client.IncompleteRead as e:
         raise Transient(f"short read: {len(e.partial)} of {n} bytes arrived") from None
-    except (OSError, socket.timeout) as e:
+    except (TimeoutError, OSError) as e:
         raise Transient(f"reading the body failed: {type(e).__name__}: {e}") from e
     if len(data) != n:
         raise Transient(f"short read: {len(data)} of {n} bytes arrived")

@@ -14,6 +14,12 @@ read must return its full byte count (a shard truncated after indexing is a
 `CorruptShardError`, never garbage). Other selections (strided rows) copy `read`'s result.
 The index lock guards only the handle and descriptor caches and the stats, never a copy.
 
+A remote checkpoint (``ShardIndex(remote=RemoteFolder)``, see remote.py) goes through the same
+header checks (`check_header`: the header bytes come by range, the size from the server) and
+the same reads: `read_into` and `read_span` fill their buffers from range requests instead of
+preadv, and `read` takes one range per selection (`_read_ranged`). Shards already on local disk
+(a partial cache snapshot) are read locally, each file by the path its entries carry.
+
 Safety: shard names from `model.safetensors.index.json` must be plain relative file names
 (no absolute path, no `..`, no `.`), and every shard must be a regular file resolving inside the
 checkpoint root (`safe_io.checkpoint_root`: the folder, or for a Hugging Face hub cache snapshot

@@ -17,8 +17,8 @@ MAX_INDEX = 1 << 20  # no model has a million layers or experts; a larger range 
 
 def parse_ranges(text: str | Iterable[int] | int, what: str = "layers") -> frozenset[int]:
     """``"0-3,40"`` -> {0, 1, 2, 3, 40}; ints and iterables of ints pass through checked."""
-    if isinstance(text, bool):
-        raise ValueError(f"{what}: expected numbers, got {text!r}")
+    if isinstance(text, bool):  # ValueError, as for "x": the CLI reports both as bad values
+        raise ValueError(f"{what}: expected numbers, got {text!r}")  # noqa: TRY004
     if isinstance(text, int):
         items: list[int] = [text]
     elif isinstance(text, str):
