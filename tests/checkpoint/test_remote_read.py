@@ -313,3 +313,27 @@ def test_views_read_the_same_values_remotely(ckpt):
         assert torch.equal(local.tensor(name).materialize(), ck.tensor(name).materialize())
         e = next(iter(ck.index.entries))
         assert torch.equal(local.index.read(e, (slice(2, 9, 3),)), ck.index.read(e, (slice(2, 9, 3),)))
+
+
+def test_an_fsspec_url_reads_the_same_table(ckpt):
+    """Other schemes go through fsspec (s3://, gs://, ...): its in-memory file system stands in,
+    with the same header checks."""
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    root = f"/wb-remote-{id(ckpt)}"
+    try:
+        for f in ckpt.iterdir():
+            fs.pipe(f"{root}/{f.name}", f.read_bytes())
+        ck = open_checkpoint(f"memory:/{root}", remote=opts())
+        assert not ck.is_local
+        assert table(ck).experts.to_csv() == table(open_checkpoint(ckpt)).experts.to_csv()
+        shard = "model-00003-of-00006.safetensors"
+        fs.pipe(f"{root}/{shard}", (ckpt / shard).read_bytes()[:-5])
+        with pytest.raises(CorruptShardError, match="ends past") as e:
+            open_checkpoint(f"memory:/{root}", remote=opts())
+        assert e.value.path == f"memory:/{root}/{shard}"
+        fs.rm(f"{root}/model.safetensors.index.json")  # no index: the listing names the shards
+        fs.pipe(f"{root}/{shard}", (ckpt / shard).read_bytes())
+        assert open_checkpoint(f"memory:/{root}", remote=opts()).layout == "compressed-tensors"
+    finally:
+        fs.rm(root, recursive=True)

@@ -71,6 +71,8 @@ class HttpClient:
         self.timeout_s = timeout_s
         self._local = threading.local()
         self._ssl: ssl.SSLContext | None = None
+        self._every: list = []  # every thread's connections, so close() reaches them all
+        self._every_lock = threading.Lock()
 
     # -- connections ----------------------------------------------------------------------------
     def _conns(self) -> dict:
@@ -113,15 +115,23 @@ class HttpClient:
         else:
             raise Permanent(f"unsupported URL scheme {scheme!r}")
         conns[key] = (conn, absolute)
+        with self._every_lock:
+            self._every.append(conn)
         return conns[key]
 
     def _drop(self, scheme: str, host: str, port: int) -> None:
         got = self._conns().pop((scheme, host, port), None)
         if got is not None:
             got[0].close()
+            with self._every_lock:
+                if got[0] in self._every:
+                    self._every.remove(got[0])
 
     def close(self) -> None:
-        for conn, _ in self._conns().values():
+        """Close every thread's connections (a later request opens new ones)."""
+        with self._every_lock:
+            every, self._every = self._every, []
+        for conn in every:
             conn.close()
         self._conns().clear()
 
