@@ -29,7 +29,7 @@ LAYERS = [
     "plots", "train", "track", "launch", "report", "compare_cli", "demo", "cli",
 ]
 
-RECIPE = "known debt in the trainer/launcher entry modules (train.cli, launch.submit, qat.prepare): hoist pending"
+RECIPE = "known debt in the trainer/launcher entry modules (train.cli, launch.submit): hoist pending"
 CYCLE = "intra-package import cycle broken by deferring; hoist once the modules are split"
 LIGHT = "keeps a light import light: the caller's package must not pull torch/heavy layers at import"
 DEBT = "known debt: hoist pending (not yet checked for intra-package cycles)"
@@ -42,7 +42,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("workbench.train.cli", "workbench.train.loop"): RECIPE,
     ("workbench.train.cli", "workbench.train"): RECIPE,
     ("workbench.train.cli", "workbench.train.determinism"): RECIPE,
-    ("workbench.qat.prepare", "workbench.scope"): RECIPE,
     ("workbench.launch.submit", "workbench"): RECIPE,
     ("workbench.launch.submit", "workbench.launch.job"): RECIPE,
     ("workbench.launch.submit", "workbench.launch.fits"): RECIPE,
@@ -84,7 +83,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("workbench.launch.handle", "workbench.track.metrics"): LIGHT,
     ("workbench.launch.watch", "workbench.plots.runs"): LIGHT,
     ("workbench.model.transformer", "workbench.model.parallel"): DEBT,
-    ("workbench.qat.ste", "workbench.kernels"): DEBT,
     ("workbench.track.experts", "workbench.qat.recipe"): LIGHT,
     ("workbench.track.experts", "workbench.analysis"): LIGHT,
     ("workbench.track.experts", "workbench.checkpoint"): LIGHT,
