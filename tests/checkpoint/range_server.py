@@ -157,8 +157,9 @@ class RangeServer:
         if fault in ("500", "503"):
             return self._send(h, int(fault), b"", {}, name)
         rng = h.headers.get("Range")
+        etag = '"' + hashlib.sha256(data).hexdigest()[:16] + '"'  # changes with the content
         if rng is None or fault == "ignore_range":
-            return self._send(h, 200, data, {"ETag": '"v1"'}, name,
+            return self._send(h, 200, data, {"ETag": etag}, name,
                               cut=size // 2 if fault == "truncate" else None)
         if not m:
             return self._send(h, 416, b"", {"Content-Range": f"bytes */{size}"}, name)
@@ -173,7 +174,7 @@ class RangeServer:
             body = body[: max(0, len(body) // 2)]
             e = b + len(body) - 1
         return self._send(h, 206, body, {"Content-Range": f"bytes {b}-{e}/{size}",
-                                         "ETag": '"v1"', "Accept-Ranges": "bytes"}, name,
+                                         "ETag": etag, "Accept-Ranges": "bytes"}, name,
                           cut=len(body) // 2 if fault == "truncate" else None)
 
     def _names(self) -> list[str]:

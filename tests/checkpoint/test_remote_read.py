@@ -337,3 +337,24 @@ def test_an_fsspec_url_reads_the_same_table(ckpt):
         assert open_checkpoint(f"memory:/{root}", remote=opts()).layout == "compressed-tensors"
     finally:
         fs.rm(root, recursive=True)
+
+
+def test_a_file_changed_on_the_server_is_never_mixed(ckpt, tmp_path):
+    """Open, then the server's shard changes (same size, new content, new ETag): a read is an
+    error naming it, and a fresh open reads the new version, not cached bytes of the old."""
+    folder = shutil.copytree(ckpt, tmp_path / "live")
+    shard, name = _first_expert_part(folder)
+    cache = RangeCache(tmp_path / "cache", 1 << 30)
+    with RangeServer(folder) as srv:
+        ck = open_checkpoint(srv.url, remote=opts(cache))
+        before = ck.index.read(name)
+        raw = bytearray((folder / shard).read_bytes())
+        e = ck.index.entry(name)
+        raw[e.begin:e.end] = bytes(255 - x for x in raw[e.begin:e.end])
+        (folder / shard).write_bytes(bytes(raw))
+        other = next(n for n, x in ck.index.entries.items() if x.file == e.file and n != name)
+        with pytest.raises(RemoteReadError, match="changed on the server") as err:
+            ck.index.read(other)
+        assert err.value.path == f"{srv.url}/{shard}" and err.value.tensor == other
+        again = open_checkpoint(srv.url, remote=opts(cache)).index.read(name)
+    assert torch.equal(again.view(torch.uint8), (255 - before.view(torch.uint8)))

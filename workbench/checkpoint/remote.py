@@ -272,6 +272,9 @@ class RemoteFolder:
         self.local_root = checkpoint_root(self.local) if self.local is not None else None
         self._lock = threading.Lock()
         self._ident: dict[str, str] = {}  # file name -> identity for cache keys
+        # file name -> (size, ETag or Last-Modified) seen at open: a later reply of another
+        # version is refused, so one tensor never mixes the bytes of two versions of a file
+        self._version: dict[str, tuple[int, str | None]] = {}
         self._bar = None
 
     @property
@@ -369,6 +372,7 @@ class RemoteFolder:
         ident = path.url if self.immutable else f"{path.url}|{reply.total}|{reply.validator}"
         with self._lock:
             self._ident[path.url] = ident
+            self._version[path.url] = (reply.total, reply.validator)
         if self.immutable and self.cache is not None:
             self.cache.put(f"{path.url}|size", str(reply.total).encode())
             self.cache.put(f"{path.url}|0|8", reply.data)
@@ -393,14 +397,14 @@ class RemoteFolder:
             hi = min(n, lo + piece)
             b, e = offset + lo, offset + hi
             key = f"{ident}|{b}|{e}"
-            data = self.cache.get(key, e - b) if self.cache is not None else None
-            if data is not None:
-                self._count_cached(len(data))
+            chunk = self.cache.get(key, e - b) if self.cache is not None else None
+            if chunk is not None:
+                self._count_cached(len(chunk))
             else:
-                data = self._fetch(path, b, e, tensor=tensor).data
+                chunk = self._fetch(path, b, e, tensor=tensor).data
                 if self.cache is not None:
-                    self.cache.put(key, data)
-            buf[lo:hi] = data
+                    self.cache.put(key, chunk)
+            buf[lo:hi] = chunk
 
     def read(self, path: RemotePath, begin: int, end: int, tensor: str | None = None, *,
              data: bool = True) -> bytes:
@@ -430,6 +434,15 @@ class RemoteFolder:
         reply = self._retrying(lambda: self.transport.get(name, begin, end, cap), path, tensor,
                                what)
         self._count_fetched(len(reply.data))
+        with self._lock:
+            seen = self._version.get(path.url)
+        if seen is not None and begin is not None and (
+                reply.total != seen[0] or (seen[1] and reply.validator and reply.validator
+                                           != seen[1])):
+            raise RemoteReadError(f"the file changed on the server while it was being read (size "
+                                  f"{seen[0]}, {seen[1]} at open; now {reply.total}, "
+                                  f"{reply.validator}): open the checkpoint again", path=path,
+                                  tensor=tensor)
         return reply
 
     def _retrying(self, fn: Callable[[], Any], path, tensor: str | None, what: str):
