@@ -24,7 +24,12 @@ class ArgError(ValueError):
 
 
 def _inspect(args) -> int:
-    from workbench.analysis.inspect import check_args, inspect_checkpoint, write_report
+    from workbench.analysis.inspect import (
+        check_args,
+        inspect_checkpoint,
+        nonfinite_line,
+        write_report,
+    )
     from workbench.checkpoint import open_checkpoint
     from workbench.report import inspect_figures, source_lines
 
@@ -44,6 +49,11 @@ def _inspect(args) -> int:
     out = write_report(result, args.out)
     print(result.summary)
     print(f"\nwrote {out}/experts.csv, scales.csv, summary.txt and {len(result.figures)} figures")
+    # A finding, not a failed command: the report is complete (exit 0), and this line on stderr
+    # is what a script or CI log shows even when stdout is discarded.
+    warn = nonfinite_line(result.tables.experts)
+    if warn:
+        print(f"warning: {warn}", file=sys.stderr)
     return 0
 
 

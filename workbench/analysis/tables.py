@@ -6,7 +6,9 @@
 
 Each returns ``ErrorTables(experts, scales)``: ``experts`` has one row per layer x expert x
 projection x recipe with ``kind`` in routed/shared/dense (never mixed), ``scales`` the long
-scale-exponent histogram. Each function takes ``path`` (``paths.choose_path``: "auto" by default,
+scale-exponent histogram. ``nonfinite`` counts the NaN/Inf values among a row's inputs (the
+weights as stored, decoded, and the reference's): a row whose sums met one has NaN metrics,
+and is then re-read and counted here, on every path alike. Each function takes ``path`` (``paths.choose_path``: "auto" by default,
 logged): this module is the reference path, which streams one weight at a time through a small
 thread pool (torch kernels release the GIL, so I/O of the next weights overlaps the math of this
 one); at most ``inflight`` weights are alive. The batched and fused paths are ``fast.py``.
@@ -28,7 +30,13 @@ from workbench.checkpoint.select import as_selection
 from workbench.formats import Recipe, dequantize, parse_recipe, quantize
 
 from . import fast, paths
-from .metrics import error_metrics, grid_mismatch, scale_exponents
+from .metrics import (
+    count_nonfinite,
+    error_metrics,
+    grid_mismatch,
+    nonfinite_rows,
+    scale_exponents,
+)
 from .paths import choose_path
 
 KEY_COLS = ["layer", "expert", "proj", "kind", "recipe"]
@@ -124,6 +132,22 @@ def _collect(results, pd) -> ErrorTables:
     return ErrorTables(experts, scales)
 
 
+def _with_nonfinite(t: ErrorTables, items, count: Callable) -> ErrorTables:
+    """Add ``nonfinite``: ``count(record)`` for each weight whose rows met a NaN or Inf
+    (``metrics.nonfinite_rows``, the same on every path), 0 for the others."""
+    df = t.experts
+    df["nonfinite"] = 0
+    if df.empty:
+        return t
+    by_key = {(r.layer, r.expert, r.proj, r.kind): r for r in items}
+    flagged = df.loc[nonfinite_rows(df), ["layer", "expert", "proj", "kind"]].drop_duplicates()
+    for k in flagged.itertuples(index=False):
+        sel = (df.layer == k.layer) & (df.expert == k.expert) & (df.proj == k.proj) & \
+            (df.kind == k.kind)
+        df.loc[sel, "nonfinite"] = count(by_key[(k.layer, k.expert, k.proj, k.kind)])
+    return t
+
+
 def candidate_errors(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "shared", "dense"),
                      device: str | None = None, workers: int | None = None, inflight: int = 4,
                      progress: bool = True, path: str = "auto", select=None) -> ErrorTables:
@@ -139,10 +163,13 @@ def candidate_errors(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "s
     q = "candidate recipes"
     choice = choose_path(path, dev, _elements(items) * len(recs), q,
                          paths.job_units(q, dev, _signatures(ck, items), _sizes(items), recs))
+    def count(rec):
+        return count_nonfinite(ck.view_of(rec).materialize())
+
     if choice.path != "reference":
-        return _collect(paths.run(choice, lambda: fast.candidate_results(
+        return _with_nonfinite(_collect(paths.run(choice, lambda: fast.candidate_results(
             ck, items, recs, dev, _plan(dev, workers), progress,
-            use_compiled=choice.path == "fused")), pd)
+            use_compiled=choice.path == "fused")), pd), items, count)
 
     def work(rec):
         w = ck.view_of(rec).materialize().to(dev)
@@ -154,7 +181,8 @@ def candidate_errors(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "s
             hist.extend(h)
         return rows, hist
 
-    return _collect(_stream(items, work, "candidate recipes", workers, inflight, progress), pd)
+    return _with_nonfinite(_collect(_stream(items, work, "candidate recipes", workers, inflight,
+                                            progress), pd), items, count)
 
 
 def _stored_label(ck, rec) -> str:
@@ -183,10 +211,15 @@ def reference_errors(ck, reference, *, kinds=("routed", "shared", "dense"),
     refs = [reference.record(r.layer, r.expert, r.proj, r.kind) for r in items]
     choice = choose_path(path, dev, _elements(items), q, paths.job_units(
         q, dev, list(zip(_signatures(ck, items), _signatures(reference, refs))), _sizes(items)))
+    def count(rec):
+        ref = reference.record(rec.layer, rec.expert, rec.proj, rec.kind)
+        return count_nonfinite(ck.view_of(rec).materialize(),
+                               reference.view_of(ref).materialize())
+
     if choice.path != "reference":
-        return _collect(paths.run(choice, lambda: fast.reference_results(
+        return _with_nonfinite(_collect(paths.run(choice, lambda: fast.reference_results(
             ck, reference, items, lambda rec: _stored_label(ck, rec), dev, _plan(dev, workers),
-            progress, use_compiled=choice.path == "fused")), pd)
+            progress, use_compiled=choice.path == "fused")), pd), items, count)
 
     def work(rec):
         ref = reference.view_of(reference.record(rec.layer, rec.expert, rec.proj, rec.kind))
@@ -200,7 +233,8 @@ def reference_errors(ck, reference, *, kinds=("routed", "shared", "dense"),
         row, h = _rows(rec, _stored_label(ck, rec), error_metrics(w, deq, q), q)
         return [row], h
 
-    return _collect(_stream(items, work, "stored vs reference", workers, inflight, progress), pd)
+    return _with_nonfinite(_collect(_stream(items, work, "stored vs reference", workers,
+                                            inflight, progress), pd), items, count)
 
 
 def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "shared", "dense"),
@@ -220,10 +254,13 @@ def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "
     q = "stored grid vs recipes"
     choice = choose_path(path, dev, _elements(items) * len(recs), q,
                          paths.job_units(q, dev, _signatures(ck, items), _sizes(items), recs))
+    def count(rec):
+        return count_nonfinite(ck.view_of(rec).materialize())
+
     if choice.path != "reference":
-        return _collect(paths.run(choice, lambda: fast.stored_results(
+        return _with_nonfinite(_collect(paths.run(choice, lambda: fast.stored_results(
             ck, items, recs, dev, _plan(dev, workers), progress,
-            use_fused=choice.path == "fused")), pd)
+            use_fused=choice.path == "fused")), pd), items, count)
 
     def work(rec):
         stored = stored_grid(ck, rec)
@@ -242,8 +279,8 @@ def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "
             hist.extend(h)
         return rows, hist
 
-    return _collect(_stream(items, work, "stored grid vs recipes", workers, inflight, progress),
-                    pd)
+    return _with_nonfinite(_collect(_stream(items, work, "stored grid vs recipes", workers,
+                                            inflight, progress), pd), items, count)
 
 
 def _sizes(items) -> list[int]:

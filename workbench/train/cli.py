@@ -27,6 +27,7 @@ from workbench.train.datasets import DataError
 from workbench.train.init import InitError
 from workbench.train.init_source import pin_init
 from workbench.train.logger import make_logger
+from workbench.train.loop import NonFiniteStep
 from workbench.train.resume_config import ResumeConfigError
 from workbench.train.tokenizer import TokenizerError
 
@@ -144,7 +145,7 @@ def cli(argv: list[str] | None = None) -> dict:
     try:
         return main(argv)
     except (CheckpointError, ResumeConfigError, DataError, TokenizerError, ModelConfigError,
-            InitError, RecipeError, SourceError) as e:
+            InitError, RecipeError, NonFiniteStep, SourceError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     except ReaderError as e:  # the --init checkpoint (a missing shard, a failed download)
