@@ -34,6 +34,7 @@ ALL = {
     "out": "/runs/all fields", "preset": "small", "recipe": "mxfp4+mxfp8", "profile": "floor",
     "steps": 7, "batch": 6, "seq": 17, "lr": 1.5e-4, "min_lr_ratio": 0.25, "warmup": 3,
     "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.99, "adam_eps": 1e-6, "grad_clip": 0.5,
+    "skip_nonfinite_steps": 2,
     "val_every": 4, "val_batches": 3, "ckpt_every": 5, "keep": 4, "seed": 9, "resume": True,
     "init": "/ck", "export": "compressed-tensors", "data": ("a.jsonl", "-dash.txt"),
     "val_data": ("c.jsonl",), "tokenizer": "tok", "token_cache": "tc", "distill": True,
@@ -108,7 +109,7 @@ def test_resume_rules_come_from_the_declarations():
     assert FREE == {"out", "resume", "allow_config_change", "init", "val_every", "ckpt_every",
                     "keep", "export", "wandb", "project", "run_group", "run_name",
                     "activation_checkpointing", "deterministic", "expert_stats_every", "ep",
-                    "fsdp"}
+                    "fsdp", "skip_nonfinite_steps"}
     assert CHANGEABLE == ("steps", "lr", "min_lr_ratio", "warmup", "grad_clip", "val_batches")
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from workbench.source import COMMIT, URL_SCHEMES, SourceError, parse_hub_id, resolve
 from workbench.train.args import trainer_argv
 from workbench.train.config import TrainConfig, declared, run_config
 
@@ -167,17 +169,42 @@ class Resources:
         return cls(**d)
 
 
-def _absolute_paths(cfg: TrainConfig) -> TrainConfig:
-    """`cfg` with every local path field (declared `path=...`) made absolute: the job runs in
-    another folder, on another node that sees the same shared file system."""
+def _remote(x: str, kind: str) -> bool:
+    """`x` names no local path: an `hf:` dataset (`source`), or a hub id or URL where a
+    checkpoint or tokenizer may be one."""
+    if kind == "source":
+        return x.startswith(_HUB)
+    return kind in ("checkpoint", "tokenizer") and not os.path.lexists(x) and (
+        URL_SCHEMES.match(x) is not None or parse_hub_id(x) is not None)
+
+
+def _place(x: str, kind: str) -> str:
+    """One path value of the job's TrainConfig as every rank must see it: a local path made
+    absolute (the job runs in another folder, on nodes that share the file system); a hub id
+    pinned to the commit it resolves to now (every rank and restart reads the same one; offline
+    it must be in the Hugging Face cache); a URL or an `hf:` dataset as given."""
+    if not _remote(x, kind):
+        return str(Path(x).expanduser().resolve())
+    if kind == "source":
+        return x
+    hub = parse_hub_id(x)
+    if hub is not None and hub[1] is not None and COMMIT.match(hub[1]):
+        return x  # pinned already (a spec read back from launch.json)
+    src = resolve(x, need=kind)
+    return f"{src.repo_id}@{src.revision}" if src.kind == "hub" else x
+
+
+def _placed(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with every path field (declared `path=...`) placed by `_place`."""
     changes = {}
     for d in declared(TrainConfig):
         v = getattr(cfg, d.name)
         if d.option.path is None or v is None:
             continue
-        items = v if d.kind is tuple else (v,)
-        fixed = tuple(x if d.option.path == "source" and x.startswith(_HUB)
-                      else str(Path(x).expanduser().resolve()) for x in items)
+        try:
+            fixed = tuple(_place(x, d.option.path) for x in (v if d.kind is tuple else (v,)))
+        except SourceError as e:
+            raise LaunchSpecError(f"LaunchSpec: {d.name}: {e}") from None
         changes[d.name] = fixed if d.kind is tuple else fixed[0]
     return cfg.replace(**changes)
 
@@ -187,10 +214,10 @@ def missing_inputs(cfg: TrainConfig) -> list[str]:
     out = []
     for d in declared(TrainConfig):
         v = getattr(cfg, d.name)
-        if d.option.path not in ("read", "source") or v is None:
+        if d.option.path in (None, "write") or v is None:
             continue
         for x in v if d.kind is tuple else (v,):
-            if not (d.option.path == "source" and x.startswith(_HUB)) and not Path(x).exists():
+            if not _remote(x, d.option.path) and not Path(x).exists():
                 out.append(f"{d.name} {x!r}")
     return out
 
@@ -253,7 +280,7 @@ class LaunchSpec:
         except ValueError as e:
             raise LaunchSpecError(f"LaunchSpec: {e} (resources: {self.resources.nodes} node(s) x "
                                   f"{self.resources.tasks_per_node} task(s))") from None
-        object.__setattr__(self, "train", _absolute_paths(self.train))
+        object.__setattr__(self, "train", _placed(self.train))
 
     @classmethod
     def build(cls, *, folder: str | Path | None = None, ep: int = 1, dp: int = 1,

@@ -23,7 +23,15 @@ from workbench.track.budgets import (
     default_budgets,
     publish,
 )
-from workbench.track.compare import Comparison, RunData, compare, load_runs, runs_table
+from workbench.track.compare import (
+    Comparison,
+    RunData,
+    RunSourceWarning,
+    UnreadableRun,
+    compare,
+    load_runs,
+    runs_table,
+)
 from workbench.track.experts import expert_error_summary, final_expert_errors
 from workbench.track.metrics import BadMetricsFile, MetricsLineSkipped, as_metrics, read_metrics
 from workbench.track.offline import OfflineRun, find_runs, merge_segments, read_run
@@ -53,9 +61,11 @@ __all__ = [
     "PeakMemory",
     "RecoveryAtLeast",
     "RunData",
+    "RunSourceWarning",
     "StepTimeRatio",
     "TokensPerSecRatio",
     "TrackingWarning",
+    "UnreadableRun",
     "ValKLBelow",
     "ValLossWithin",
     "Verdict",

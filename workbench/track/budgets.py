@@ -20,8 +20,8 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
-from workbench.train.logger import Logger
 from workbench.track.metrics import as_metrics
+from workbench.train.logger import Logger
 
 
 @dataclass(frozen=True)

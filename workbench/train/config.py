@@ -82,6 +82,11 @@ class TrainConfig:
     adam_eps: float = option(1e-8, "Adam epsilon", gt=0)
     grad_clip: float = option(1.0, "clip the global gradient L2 norm to this; 0: no clipping (the "
                               "norm is still logged)", ge=0, resume="changeable")
+    # What to do with a step whose loss or gradient is NaN/Inf; never a value of the steps that
+    # train, so free on resume (a stopped run resumes with skipping allowed).
+    skip_nonfinite_steps: int = option(
+        0, "skip up to N steps whose loss or gradient is NaN/Inf (no update, counted as "
+        "skipped_steps); default 0: stop at the first, exit 2", ge=0, metavar="N", resume="free")
     val_every: int = option(10, "steps between validations; 0: none", ge=0, resume="free")
     val_batches: int = option(2, "batches per validation", ge=1, resume="changeable")
     ckpt_every: int = option(10, "steps between checkpoints; 0: only the final and preemption "
@@ -90,7 +95,8 @@ class TrainConfig:
     seed: int = option(0, "seed of the initialisation and the data order", ge=0)
     resume: bool = option(False, "continue from the newest complete checkpoint in --out (no-op "
                           "if none)", resume="free")
-    init: str | None = option(None, "BF16 or packed HF checkpoint to start from", path="read",
+    init: str | None = option(None, "BF16 or packed HF checkpoint to start from: a folder, a hub "
+                              "id ORG/NAME[@REV] or a URL (docs/hub.md)", path="checkpoint",
                               metavar="CKPT", resume="free")
     export: str | None = option(None, "write an HF checkpoint to OUT/export", choices=EXPORTS,
                                 resume="free")
@@ -102,10 +108,10 @@ class TrainConfig:
     val_data: tuple[str, ...] = option(
         (), "validation text (repeatable); default: hold out the last train sequences",
         repeat=True, metavar="PATH", path="source")
-    tokenizer: str | None = option(None, "tokenizer folder (default: the --init folder's)",
-                                   path="read")
-    token_cache: str | None = option(None, "token cache folder (default: OUT/../.token-cache)",
-                                     path="write")
+    tokenizer: str | None = option(None, "tokenizer folder or hub id (default: --init's)",
+                                   path="tokenizer")
+    token_cache: str | None = option(None, "private token cache folder (default: "
+                                     "OUT/../.token-cache-UID)", path="write")
     # Distillation from the frozen --init model (workbench.train.distill).
     distill: bool = option(False, "distil from the frozen --init model (KL to its logits)")
     kd_temperature: float = option(1.0, "distillation temperature T", gt=0)

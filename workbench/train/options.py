@@ -10,7 +10,6 @@ Standard library only.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import types
 import typing
@@ -19,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 RESUME_RULES = ("fixed", "free", "changeable")
-PATH_KINDS = ("read", "source", "write")
+# "checkpoint" and "tokenizer": what workbench.source resolves (a folder, a hub id, a URL).
+PATH_KINDS = ("read", "source", "write", "checkpoint", "tokenizer")
 _KINDS = (bool, int, float, str, tuple)
 
 
@@ -37,8 +37,10 @@ class Option:
     (`--preset checkpoint`). `parse` / `fmt`: text -> value and value -> text where the type's
     own (int(), float(), str(), repr()) do not fit; they must be inverses. `repeat`: a tuple given
     as a repeated flag (`--data A --data B`). `path`: a local path the job reads (`read`), reads or
-    fetches as `hf:NAME` (`source`), or writes (`write`): the launcher makes it absolute, and
-    checks at submit that what the job reads exists. `resume`: what a `--resume` may do with the
+    fetches as `hf:NAME` (`source`), or writes (`write`), or a checkpoint or tokenizer that may
+    also be a hub id or a URL (`checkpoint`, `tokenizer`: `workbench.source`): the launcher makes
+    local paths absolute, pins hub ids to their commit, and checks at submit that what the job
+    reads exists. `resume`: what a `--resume` may do with the
     field: `fixed` (must match the checkpoint's run), `free` (bookkeeping: where the run lives,
     how often it logs, its layout), `changeable` (allowed when named in --allow-config-change)."""
 
@@ -147,7 +149,6 @@ def _kind(annotation: Any, cls: type, name: str) -> tuple[type, bool]:
     return base, optional
 
 
-@functools.cache
 def declared(cls: type) -> tuple[Declared, ...]:
     """Every field of `cls` (TrainConfig) as declared, in declaration order."""
     hints = typing.get_type_hints(cls)
