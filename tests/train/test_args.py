@@ -40,7 +40,7 @@ ALL = {
     "val_data": ("c.jsonl",), "tokenizer": "tok", "token_cache": "tc", "distill": True,
     "kd_temperature": 2.0, "kd_weight": 0.5, "ce_weight": 0.25, "wandb": "disabled",
     "run_group": "g", "project": "p", "run_name": "-n", "deterministic": False,
-    "activation_checkpointing": "selective", "ep": 2, "fsdp": True, "expert_stats_every": 3,
+    "activation_checkpointing": "selective", "compile": True, "ep": 2, "fsdp": True, "expert_stats_every": 3,
     "allow_config_change": ("steps", "lr"),
 }
 # What a field needs beside it to be valid on its own.
@@ -108,7 +108,7 @@ def test_resume_rules_come_from_the_declarations():
     """The sets resume_config enforces, as docs/resume.md states them."""
     assert FREE == {"out", "resume", "allow_config_change", "init", "val_every", "ckpt_every",
                     "keep", "export", "wandb", "project", "run_group", "run_name",
-                    "activation_checkpointing", "deterministic", "expert_stats_every", "ep",
+                    "activation_checkpointing", "compile", "deterministic", "expert_stats_every", "ep",
                     "fsdp", "skip_nonfinite_steps"}
     assert CHANGEABLE == ("steps", "lr", "min_lr_ratio", "warmup", "grad_clip", "val_batches")
 

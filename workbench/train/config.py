@@ -131,6 +131,10 @@ class TrainConfig:
     activation_checkpointing: str = option(
         "off", "recompute each decoder layer in backward: full, or selective (keep the "
         "matmul/attention outputs)", choices=ACT_CKPT_MODES, resume="free")
+    compile: bool = option(False, "compile each decoder layer (regional torch.compile): on a GPU "
+                           "the fused elementwise work makes the step about 0.7x the eager one; "
+                           "its numbers differ from eager ones in rounding (docs/performance.md)",
+                           resume="free")
     ep: int | None = option(None, "expert-parallel size (default: the world size); N < world "
                             "needs --fsdp", ge=1, metavar="N", resume="free")
     fsdp: bool = option(False, "FSDP2: shard dense parameters over all ranks, experts over the "
