@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -136,12 +136,12 @@ def check_same_architecture(named: list[tuple[str, object]]) -> None:
                     f"{list(ra[k])} in {first_name} but {list(rb[k])} in {name}")
 
 
-def side_errors(side: Side, *, kinds, device, progress) -> ErrorTables:
+def side_errors(side: Side, *, kinds, device, progress, select=None) -> ErrorTables:
     if side.recipe is not None:
         return candidate_errors(side.reference, [side.recipe], kinds=kinds, device=device,
-                                progress=progress)
+                                progress=progress, select=select)
     return reference_errors(side.checkpoint, side.reference, kinds=kinds, device=device,
-                            progress=progress)
+                            progress=progress, select=select)
 
 
 @dataclass
@@ -153,6 +153,10 @@ class CompareResult:
     table: object  # pandas.DataFrame, one row per expert weight (see the module docstring)
     a: ErrorTables
     b: ErrorTables
+    # what was measured: "A", "B" (each side's checkpoint, or for ptq the one it quantizes)
+    # and "reference", for the report's source lines
+    checkpoints: dict = field(default_factory=dict, repr=False)
+    notes: list = field(default_factory=list, repr=False)  # lines the summary starts with
 
     @property
     def identical(self) -> bool:
@@ -169,7 +173,7 @@ class CompareResult:
 
     def summary(self, worst: int = 5) -> str:
         t, m = self.table, self.metric
-        lines = [f"A = {self.a_label}", f"B = {self.b_label}",
+        lines = [*self.notes, f"A = {self.a_label}", f"B = {self.b_label}",
                  f"metric: {m} against each side's BF16 reference; verdicts at {self.tol_pct:g}%"]
         if t.empty:
             return "\n".join(lines + ["no expert weights to compare"])
@@ -232,8 +236,9 @@ class CompareResult:
 
 def compare(a, b, reference=None, *, metric: str = "rel_err", tol_pct: float = 1.0,
             kinds=("routed", "shared", "dense"), device: str | None = None,
-            progress: bool = True) -> CompareResult:
-    """Compare A and B expert by expert against ``reference`` (see the module docstring)."""
+            progress: bool = True, select=None) -> CompareResult:
+    """Compare A and B expert by expert against ``reference`` (see the module docstring),
+    over the layers / experts ``select`` keeps (a ``Selection``; None: all)."""
     if metric not in COMPARE_METRICS:
         raise CompareError(f"metric must be one of {COMPARE_METRICS}, got {metric!r}")
     if not (isinstance(tol_pct, (int, float)) and math.isfinite(tol_pct) and tol_pct >= 0):
@@ -244,10 +249,13 @@ def compare(a, b, reference=None, *, metric: str = "rel_err", tol_pct: float = 1
              (f"B ({sb.label})", sb.checkpoint or sb.reference),
              ("A's reference", sa.reference), ("B's reference", sb.reference)]
     check_same_architecture(named)
-    ta = side_errors(sa, kinds=kinds, device=device, progress=progress)
-    tb = side_errors(sb, kinds=kinds, device=device, progress=progress)
+    ta = side_errors(sa, kinds=kinds, device=device, progress=progress, select=select)
+    tb = side_errors(sb, kinds=kinds, device=device, progress=progress, select=select)
+    sides = {"A": sa.checkpoint or sa.reference, "B": sb.checkpoint or sb.reference}
+    if ref is not None:
+        sides["reference"] = ref
     return CompareResult(sa.label, sb.label, metric, float(tol_pct),
-                         combine(ta.experts, tb.experts, metric, tol_pct), ta, tb)
+                         combine(ta.experts, tb.experts, metric, tol_pct), ta, tb, sides)
 
 
 def combine(a, b, metric: str = "rel_err", tol_pct: float = 1.0):

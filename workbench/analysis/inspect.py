@@ -99,10 +99,12 @@ def _stored_formats(ck) -> list[str]:
 
 
 def inspect_checkpoint(ck, recipes=None, reference=None, *, progress: bool = True,
-                       device: str | None = None) -> InspectResult:
+                       device: str | None = None, select=None) -> InspectResult:
+    """The question ``ck`` invites (see the module docstring), over the layers / experts
+    ``select`` keeps (a ``Selection``; None: all)."""
     import pandas as pd
 
-    kw = {"progress": progress, "device": device}
+    kw = {"progress": progress, "device": device, "select": select}
     fmts = _stored_formats(ck)
     if reference is not None:
         t = reference_errors(ck, reference, **kw)

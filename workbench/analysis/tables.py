@@ -26,6 +26,7 @@ import torch
 
 from workbench._io import atomic_open
 from workbench.checkpoint.grid import stored_grid
+from workbench.checkpoint.select import as_selection
 from workbench.formats import Recipe, dequantize, parse_recipe, quantize
 
 from . import fast, paths
@@ -99,8 +100,13 @@ def _stream(items: list, work: Callable, desc: str, workers: int | None, infligh
     bar.close()
 
 
-def _records(ck, kinds):
-    return [r for r in ck.expert_records() if r.kind in kinds]
+def _records(ck, kinds, select=None):
+    """The records a question covers: of ``kinds``, kept by ``select`` (a
+    ``workbench.checkpoint.select.Selection``; None: all), which must keep something."""
+    sel = as_selection(select)
+    recs = [r for r in ck.expert_records() if r.kind in kinds]
+    sel.check(recs, str(ck.path))
+    return sel.filter(recs)
 
 
 def _rows(rec, recipe: str, metrics: dict, q) -> tuple[dict, list[dict]]:
@@ -144,15 +150,16 @@ def _with_nonfinite(t: ErrorTables, items, count: Callable) -> ErrorTables:
 
 def candidate_errors(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "shared", "dense"),
                      device: str | None = None, workers: int | None = None, inflight: int = 4,
-                     progress: bool = True, path: str = "auto") -> ErrorTables:
+                     progress: bool = True, path: str = "auto", select=None) -> ErrorTables:
     """Question 1: each weight (decoded to BF16 if stored packed) under each candidate recipe.
 
     ``path`` picks reference / batched / fused ("auto": see ``paths.choose_path``); every path
-    gives the reference's table (float sums to summation order)."""
+    gives the reference's table (float sums to summation order). ``select`` (a
+    ``Selection``) restricts the question to some layers / experts: only their bytes are read."""
     pd = _pd()
     recs = [parse_recipe(r) for r in recipes]
     dev = _device(device)
-    items = _records(ck, kinds)
+    items = _records(ck, kinds, select)
     q = "candidate recipes"
     choice = choose_path(path, dev, _elements(items) * len(recs), q,
                          paths.job_units(q, dev, _signatures(ck, items), _sizes(items), recs))
@@ -185,7 +192,7 @@ def _stored_label(ck, rec) -> str:
 
 def reference_errors(ck, reference, *, kinds=("routed", "shared", "dense"),
                      device: str | None = None, workers: int | None = None, inflight: int = 4,
-                     progress: bool = True, path: str = "auto") -> ErrorTables:
+                     progress: bool = True, path: str = "auto", select=None) -> ErrorTables:
     """Question 2: the checkpoint's stored weights against the same weights in ``reference``.
 
     Records are matched by (kind, layer, expert, proj), so the two may use different layouts.
@@ -195,11 +202,11 @@ def reference_errors(ck, reference, *, kinds=("routed", "shared", "dense"),
     # the reference's keys once: built per record, this check took 2.7 s for the 3840 records of
     # a 15 GB pair (2-core host), a quarter of the whole GPU pass
     have = {(x.kind, x.layer, x.expert, x.proj) for x in reference.expert_records()}
-    missing = [r.key for r in _records(ck, kinds) if (r.kind, r.layer, r.expert, r.proj) not in have]
+    items = _records(ck, kinds, select)
+    missing = [r.key for r in items if (r.kind, r.layer, r.expert, r.proj) not in have]
     if missing:
         raise ValueError(f"reference checkpoint {reference.path} lacks {len(missing)} weights of "
                          f"{ck.path}, e.g. {missing[:3]}")
-    items = _records(ck, kinds)
     q = "stored vs reference"
     refs = [reference.record(r.layer, r.expert, r.proj, r.kind) for r in items]
     choice = choose_path(path, dev, _elements(items), q, paths.job_units(
@@ -232,7 +239,8 @@ def reference_errors(ck, reference, *, kinds=("routed", "shared", "dense"),
 
 def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "shared", "dense"),
                       device: str | None = None, workers: int | None = None, inflight: int = 4,
-                      progress: bool = True, path: str = "auto") -> ErrorTables:
+                      progress: bool = True, path: str = "auto", select=None
+                      ) -> ErrorTables:
     """Question 3: re-quantize each stored packed weight's decoded values with each recipe.
 
     Rows carry the error of the re-quantized weights against the decoded stored weights (zero
@@ -242,7 +250,7 @@ def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "
     pd = _pd()
     recs = [parse_recipe(r) for r in recipes]
     dev = _device(device)
-    items = _records(ck, kinds)
+    items = _records(ck, kinds, select)
     q = "stored grid vs recipes"
     choice = choose_path(path, dev, _elements(items) * len(recs), q,
                          paths.job_units(q, dev, _signatures(ck, items), _sizes(items), recs))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ from workbench.train.config import TrainConfig
 from workbench.train.distributed import DistInfo, Layout, make_layout
 from workbench.train.fsdp import apply_fsdp
 from workbench.train.init import check_init_shapes, load_init
+from workbench.train.init_source import init_checkpoint, init_config_folder
 from workbench.train.optim import AdamW
 from workbench.train.router_bias import sigmoid_routers
 
@@ -47,17 +49,20 @@ def lr_factor(i: int, *, warmup: int, steps: int, min_ratio: float) -> float:
 def model_config(cfg: TrainConfig):
     """The model's MoEConfig: the preset's, or (no preset) the --init checkpoint's config.json.
     max_seq_len grows to --seq when a run trains on longer sequences than the preset lists."""
-    mcfg = preset(cfg.preset) if cfg.preset is not None else from_checkpoint(cfg.init)
+    mcfg = preset(cfg.preset) if cfg.preset is not None else \
+        from_checkpoint(init_config_folder(cfg.init))
     return mcfg.replace(max_seq_len=max(cfg.seq + 1, mcfg.max_seq_len))  # seq + 1 tokens go in
 
 
 def build_model(cfg: TrainConfig, info: DistInfo, *, overwritten: bool = False,
-                layout: Layout | None = None, check_init: bool = False) -> nn.Module:
+                layout: Layout | None = None,
+                before_alloc: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """`overwritten`: every parameter is about to be loaded (--init or a checkpoint), so the
     seeded initialisation (drawn on CPU, seconds per billion parameters) is skipped and the
     parameters are left uninitialised; the loaders fail on any tensor they cannot fill.
     `layout`: the EP group the experts are sliced over (default: EP size = world size).
-    `check_init`: check every shape against the --init checkpoint's index before allocating."""
+    `before_alloc(meta_model)`: runs on the meta-device model before an `overwritten` model is
+    allocated (build checks the --init shapes there)."""
     mcfg = model_config(cfg)
     ep = layout.ep if layout is not None else info.world
     ep_group = layout.ep_group if layout is not None else info.group
@@ -73,8 +78,8 @@ def build_model(cfg: TrainConfig, info: DistInfo, *, overwritten: bool = False,
         # On the meta device the model skips reset_parameters (see MoEForCausalLM.__init__).
         meta = MoEForCausalLM(mcfg, seed=cfg.seed, ep_group=ep_group, device="meta",
                               dtype=torch.float32)
-        if check_init:  # a config.json larger than its tensors fails here, not in an allocation
-            check_init_shapes(cfg.init, meta)
+        if before_alloc is not None:
+            before_alloc(meta)
         model = materialize_(meta, info.device)
     if layout is not None and layout.dp > 1:
         # The aux loss of the global batch, as at EP1 (MoEForCausalLM.balance_group).
@@ -96,6 +101,17 @@ def prepare_qat(model: nn.Module, cfg: TrainConfig, state: QATState | None = Non
     if cfg.qat_recipe.is_bf16:
         return None
     return prepare(model, recipe=cfg.qat_recipe, scope=QAT_SCOPE, state=state)
+
+
+def compile_layers(model: nn.Module) -> int:
+    """Regional compilation, as torchtitan does it: each decoder layer's forward through
+    ``torch.compile`` (layers of one kind share a graph), after activation checkpointing (the
+    recompute is compiled too) and before FSDP. The embedding, the LM head and its chunked loss
+    stay outside. Returns the number of layers."""
+    layers = model.model.layers
+    for layer in layers:
+        layer.compile()
+    return len(layers)
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, qat_state: QATState | None = None):
@@ -120,18 +136,30 @@ def build(cfg: TrainConfig, info: DistInfo, *, resuming: bool = False) -> Built:
     """`resuming`: a checkpoint will overwrite every weight, so --init is not read."""
     cfg.check_world(info.world)
     layout = make_layout(info, cfg.ep, cfg.fsdp)
+    init: dict[str, Any] = {}
+
+    def open_init(meta: nn.Module) -> None:
+        # a remote --init: this rank's shards are downloaded first (train.init_source); every
+        # shape is checked on the meta model, so a config.json larger than its tensors fails
+        # before a rank allocates its slice
+        init["ck"] = init_checkpoint(cfg.init, meta, progress=info.is_main)
+        check_init_shapes(init["ck"], meta)
+
+    reading = bool(cfg.init) and not resuming
     model = build_model(cfg, info, overwritten=resuming or bool(cfg.init), layout=layout,
-                        check_init=bool(cfg.init) and not resuming)
+                        before_alloc=open_init if reading else None)
     if cfg.router_bias_update and not sigmoid_routers(model):
         raise ModelConfigError(f"--router-bias-update moves the e_score_correction_bias of "
                                f"sigmoid routers (DeepSeek-V3, Kimi K2, GLM-4.5); this "
                                f"{model.config.family} model routes with "
                                f"{model.config.router.kind!r}")
-    if cfg.init and not resuming:
-        load_init(cfg.init, model, info)  # before FSDP: into the plain EP-local tensors
+    if reading:
+        load_init(init["ck"], model, info)  # before FSDP, into the plain EP-local tensors
     qat_state = None if cfg.qat_recipe.is_bf16 else QATState()
     report = prepare_qat(model, cfg, qat_state)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    if cfg.compile:
+        compile_layers(model)
     if layout.fsdp:
         apply_fsdp(model, layout, info.device)  # replaces the parameters by DTensor shards
     model.layout = layout  # read by the loop (gradient reduction) and checkpointing (resharding)

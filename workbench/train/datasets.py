@@ -463,6 +463,7 @@ def _prepare(cfg, vocab_rows: int, show_progress: bool) -> dict:
         "val_source": "val-data" if val_f else f"last {n_val} train sequences (held out)",
         "train_sequences": n_fit, "val_sequences": n_val, "seq_len": L,
         "tokenizer": str(Path(tok.path).resolve()), "tokenizer_digest": tok.digest,
+        "tokenizer_source": tok.source.record() if tok.source is not None else None,
         "eos_id": tok.eos_id, "vocab_size": tok.vocab_size,
         "train_cache": str(train_f.folder), "val_cache": str(val_f.folder) if val_f else None,
         "train_sources": train_f.header["sources"],

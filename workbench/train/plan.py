@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workbench.arch import PRESETS, ModelConfigError, MoEConfig, from_checkpoint, preset
+from workbench.source import SourceError, resolve
 from workbench.train.memory import ACT_CKPT_MODES, GIB, RankMemory, param_counts, rank_memory
 
 # What a rank needs besides the trainer's tensors: CUDA context, NCCL buffers, the allocator's
@@ -205,14 +206,20 @@ def plan(model_config: MoEConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: f
 
 
 def model_config_of(source: str) -> MoEConfig:
-    """A model preset name, or a checkpoint folder whose config.json describes a supported
-    family (`workbench.arch.from_checkpoint`)."""
+    """A model preset name, or a checkpoint (folder or hub id ``org/name[@revision]``,
+    `workbench.source.resolve`) whose config.json describes a supported family
+    (`workbench.arch.from_checkpoint`)."""
     if source in PRESETS:
         return preset(source)
-    if not (Path(source) / "config.json").is_file():
+    try:
+        src = resolve(source, need="config")
+    except SourceError as e:
+        raise PlanError(str(e)) from None
+    folder = Path(src.path if src.path is not None else source)
+    if not (folder / "config.json").is_file():
         raise PlanError(f"{source}: neither a model preset ({', '.join(sorted(PRESETS))}) nor a "
                         "folder with config.json")
     try:
-        return from_checkpoint(source)
+        return from_checkpoint(folder)
     except ModelConfigError as e:
         raise PlanError(str(e)) from None
