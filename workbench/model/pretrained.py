@@ -54,13 +54,14 @@ def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
                     device: torch.device | str = "cpu",
                     ep_group: dist.ProcessGroup | None = None,
                     config: MoEConfig | None = None, strict: bool = True) -> MoEForCausalLM:
-    """The workbench model of the checkpoint at `path` (what `open_checkpoint` accepts), in
+    """The workbench model of the checkpoint at `path` (what `open_checkpoint` accepts: a
+    folder, a hub id ``org/name[@revision]``, a URL, or an opened Checkpoint), in
     eval mode, ready for `model(input_ids).logits`. `config` overrides the config.json mapping
     (e.g. a longer max_seq_len); `strict=False` lets checkpoint tensors go unused (a config
     with a block switched off)."""
     ck = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     cfg = config if config is not None else config_from_dict(
-        ck.config, source=str(ck.path / "config.json"))
+        ck.config, source=f"{ck.source.label()}/config.json")
     model = MoEForCausalLM(cfg, ep_group=ep_group, device="meta", dtype=dtype)
     check_pretrained(model, ck)  # before allocating: the config must describe these tensors
     model = materialize(model, torch.device(device))
