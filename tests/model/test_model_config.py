@@ -116,3 +116,19 @@ def test_register_preset_adds_and_refuses():
     finally:
         arch.PRESETS.pop(name, None)
     assert arch.PRESETS["tiny"] is arch.tiny
+
+
+def test_arch_and_its_presets_import_without_torch():
+    """The launcher reads presets and their blocks from workbench.arch without loading torch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, workbench.arch as a\n"
+            "cfgs = [a.preset(n) for n in a.PRESETS]\n"
+            "assert cfgs[0].replace(num_layers=3).num_layers == 3\n"
+            "assert 'torch' not in sys.modules, 'workbench.arch imported torch'\n")
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
