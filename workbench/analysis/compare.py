@@ -31,6 +31,7 @@ from workbench.checkpoint.grid import stored_grid
 from workbench.formats import dequantize, parse_recipe, quantize
 
 from .metrics import error_metrics, scale_exponents
+from .session import Session
 from .tables import (
     ErrorTables,
     ExpertDetail,
@@ -130,12 +131,12 @@ def check_same_architecture(named: list[tuple[str, object]]) -> None:
                     f"{list(ra[k])} in {first_name} but {list(rb[k])} in {name}")
 
 
-def side_errors(side: Side, *, kinds, device, progress) -> ErrorTables:
+def side_errors(side: Side, *, kinds, device, progress, session=None) -> ErrorTables:
     if side.recipe is not None:
         return candidate_errors(side.reference, [side.recipe], kinds=kinds, device=device,
-                                progress=progress)
+                                progress=progress, session=session)
     return reference_errors(side.checkpoint, side.reference, kinds=kinds, device=device,
-                            progress=progress)
+                            progress=progress, session=session)
 
 
 @dataclass
@@ -226,8 +227,9 @@ def compare(a, b, reference=None, *, metric: str = "rel_err", tol_pct: float = 1
              (f"B ({sb.label})", sb.checkpoint or sb.reference),
              ("A's reference", sa.reference), ("B's reference", sb.reference)]
     check_same_architecture(named)
-    ta = side_errors(sa, kinds=kinds, device=device, progress=progress)
-    tb = side_errors(sb, kinds=kinds, device=device, progress=progress)
+    session = Session()  # B's side finds the graphs A's compiled
+    ta = side_errors(sa, kinds=kinds, device=device, progress=progress, session=session)
+    tb = side_errors(sb, kinds=kinds, device=device, progress=progress, session=session)
     return CompareResult(sa.label, sb.label, metric, float(tol_pct),
                          combine(ta.experts, tb.experts, metric, tol_pct), ta, tb)
 
