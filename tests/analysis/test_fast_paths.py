@@ -192,13 +192,14 @@ def test_fused_path_every_layout(layout):
     got = _fused(stored_vs_recipes, ck, FUSED_RECIPES, s)
     assert_tables_equal(ref, got, (name, "fused"), empty=name in NO_GRID)
     # a closed form served the recipe of the stored grid's own format, the compiled pass every
-    # other (grid, recipe) pair
+    # other (grid, recipe) pair (and any stack the closed form handed on, e.g. a padded one)
     fmt = _stored_fmt(ck)
     assert {_closed_form_format(k) for k in _served(s, "fused")} == \
         ({fmt} if name not in NO_GRID else set()), (name, s)
     recipes = {k[1] for k in _served(s, "compiled", "recipe")}
-    assert recipes == ({r for r in FUSED_RECIPES if r.split(":")[0] != fmt}
+    assert recipes >= ({r for r in FUSED_RECIPES if r.split(":")[0] != fmt}
                        if name not in NO_GRID else set()), (name, recipes)
+    assert bool(recipes) == (name not in NO_GRID), (name, recipes)
     for route in got.plan.routes:  # the plan said so before anything ran
         if route.stored is not None:
             assert (plans.CLOSED in route.passes) == (route.recipe.split(":")[0] == fmt), route

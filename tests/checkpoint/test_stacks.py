@@ -235,9 +235,14 @@ def test_a_truncated_shard_fails_the_stream_naming_the_file(tmp_path, reader):
 
 @pytest.mark.parametrize("reader", ["safetensors", "preadv", "window"])
 @pytest.mark.parametrize("limit", [1 << 30, 3 * 96 * 64], ids=["whole", "threes"])
-def test_stream_gives_every_record_once_in_stacks_of_one_key(ck, reader, limit):
+def test_stream_gives_every_record_once_in_stacks_of_one_key(ck, reader, limit, monkeypatch):
     """``stream_stacks``: each position in exactly one stack, the stacks of one key, each the
-    per-member path's stack bit for bit, under every reader."""
+    per-member path's stack bit for bit, under every reader; and the plan's reader is the one
+    that read: no preadv under safetensors, one per member part under preadv (strided rows are
+    copied from a read), one per span under the window reader (where windows form)."""
+    reads = []
+    real = index_mod._pread_full
+    monkeypatch.setattr(index_mod, "_pread_full", lambda *a: reads.append(a) or real(*a))
     recs = [r for r in ck.expert_records() if grid_codec(ck, r)]
     keys = [signature(ck, r) for r in recs]
     seen = []
@@ -247,6 +252,12 @@ def test_stream_gives_every_record_once_in_stacks_of_one_key(ck, reader, limit):
         assert _same_grid(got.grid, stack_grids([stored_grid(ck, recs[i]) for i in batch]))
         seen += batch
     assert sorted(seen) == list(range(len(recs)))
+    strided = sum(2 for r in recs if r.row_stride != 1)
+    windows, rest, _ = window_plan(ck, recs, keys, limit, 1 << 30)
+    want = {"safetensors": 0, "preadv": 2 * len(recs) - strided,
+            "window": len(windows) + 2 * len(rest) - sum(2 for i in rest
+                                                         if recs[i].row_stride != 1)}[reader]
+    assert len(reads) == want, (reader, len(reads), want)
 
 
 @pytest.mark.gpu

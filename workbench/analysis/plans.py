@@ -41,7 +41,8 @@ from workbench.checkpoint.layouts import FMT_OF_CODEC
 from workbench.checkpoint.stacks import READERS, ReadPlan, local_files, plan_batches, signature
 from workbench.formats import Recipe, parse_recipe
 
-from . import compiled, fused
+from . import fused
+from .compiled import FASTER, recipe_reason
 from .session import Session
 
 PATHS = ("auto", "reference", "batched", "fused")
@@ -272,11 +273,13 @@ def _path(path: str, device: torch.device, elements: int, units: frozenset, sess
 
 
 def _route(question: str, stored: str | None, recipe: Recipe | None, device: torch.device,
-           session: Session, mode: str) -> Route:
-    """The passes of one (stored format, recipe) pair on the fused path."""
+           session: Session, mode: str, path: str) -> Route:
+    """The passes of one (stored format, recipe) pair on ``path`` (batched or fused)."""
     name = None if recipe is None else str(recipe)
     if question == "stored_vs_recipes" and stored is None:
         return Route(None, name, (), "stored dense: no grid to compare with")
+    if path == "batched":
+        return Route(stored, name, (BATCHED,))
     if device.type != "cpu":
         return Route(stored, name, (BATCHED,), f"{device.type} tensors: the batched path "
                      "runs there")
@@ -293,9 +296,9 @@ def _route(question: str, stored: str | None, recipe: Recipe | None, device: tor
             why.append(f"no closed form: {bad}")
     if question != "reference_errors" or stored is not None:
         kind = "reference" if recipe is None else "recipe"
-        bad = None if recipe is None else compiled.recipe_reason(recipe)
+        bad = None if recipe is None else recipe_reason(recipe)
         if bad is None and mode == "measured" and \
-                (kind, stored, None if recipe is None else recipe.fmt) not in compiled.FASTER:
+                (kind, stored, None if recipe is None else recipe.fmt) not in FASTER:
             bad = "measured faster batched (compiled.FASTER)"
         if bad is None and "compiled" in session.broken:
             bad = f"compiling failed earlier in this session ({session.broken['compiled']})"
@@ -334,14 +337,9 @@ def plan_job(j: Job, ck, other, *, device: str | torch.device | None = None,
     if chosen == "reference":
         routes: tuple[Route, ...] = ()
         reads, reader_why = None, ""
-    elif chosen == "batched":
-        routes = tuple(Route(s, None if r is None else str(r),
-                             () if j.question == "stored_vs_recipes" and s is None else (BATCHED,),
-                             "stored dense: no grid to compare with"
-                             if j.question == "stored_vs_recipes" and s is None else "")
-                       for s, r in pairs)
     else:
-        routes = tuple(_route(j.question, s, r, dev, session, compiled) for s, r in pairs)
+        routes = tuple(_route(j.question, s, r, dev, session, compiled, chosen)
+                       for s, r in pairs)
     return AnalysisPlan(j.question, dev, chosen, why, reads, reader_why, routes,
                         tuple(str(r) for r in j.recipes), len(j.items), j.elements, units,
                         compiled, workers)
