@@ -55,8 +55,8 @@ def mark_leading_dynamic(args) -> None:
 class Session:
     """Compiled graphs per (family, key), each first call's seconds, the families turned off by
     a failed compile (family -> the first reason), the number of graph calls that returned, the
-    job units of fused calls that ran graphs and turned nothing off, and the log lines already
-    said. ``compiler(fn, options)`` makes a graph callable (``torch_compile``; a test passes
+    job units of fused calls that ran graphs and turned nothing off, the log lines already said,
+    and the scratch buffers the closed forms fill. ``compiler(fn, options)`` makes a graph callable (``torch_compile``; a test passes
     ``eager`` to run the same graph functions uncompiled)."""
 
     def __init__(self, compiler: Callable = torch_compile):
