@@ -189,8 +189,11 @@ def main(argv=None) -> int:
                   stored=[j.stored[i] for i in first[0]])
     p_one = plans.plan_job(one, ck, recipes, device=dev, path="batched")
 
-    def compute():  # stored_results on the loaded stack: the stream yields it, nothing is read
-        fast.stream_stacks = lambda *a, **k: iter([(list(range(len(b))), (loaded,))])
+    def loaded_once(*a, **k):  # the stream's one stack: the loaded one, nothing is read
+        yield list(range(len(b))), (loaded,)
+
+    def compute():  # stored_results on the loaded stack
+        fast.stream_stacks = loaded_once
         try:
             fast.stored_results(p_one, session, ck, one, False)
         finally:
