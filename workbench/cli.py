@@ -44,6 +44,12 @@ def _plan(args) -> int:
     return 0 if p.fits else 1
 
 
+def _eval(args) -> int:
+    from workbench.eval.cli import main as eval_main  # lm-eval loads only for this subcommand
+
+    return eval_main(args.argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="workbench", description="MoE QAT workbench")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -71,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     from workbench.compare_cli import add_parser as add_compare
 
     add_compare(sub)
+    p = sub.add_parser("eval", add_help=False, help="downstream evaluation (lm-eval) of BF16, "
+                       "PTQ and QAT models side by side (workbench eval --help)")
+    p.add_argument("argv", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_eval)
     args = ap.parse_args(argv)
     from workbench.analysis.inspect import InspectArgError
     from workbench.checkpoint import CheckpointError
