@@ -116,7 +116,7 @@ def _samples(folder, label):
             for t in TASKS}
 
 
-def test_what_ships_is_what_trained(group, group_eval_dir):
+def test_what_ships_is_what_trained(group, group_eval_dir, tmp_path):
     """The packed export (transformers' loader) and the DCP checkpoint with the run's MXFP4
     fake quantization (the workbench's model) give the same generated answers and
     log-likelihoods within DEFAULT_TOLERANCE; without the fake quantization they do not."""
@@ -133,7 +133,7 @@ def test_what_ships_is_what_trained(group, group_eval_dir):
     step = parse_model(str(max((group["qat"] / "checkpoints").glob("step_*"))))
     plain = dataclasses.replace(step, label="no-fq", train_config={**step.train_config,
                                                                     "recipe": "bf16"})
-    res = run([plain], ",".join(TASKS), out=group["root"] / "eval-no-fq", record_runs=False,
+    res = run([plain], ",".join(TASKS), out=tmp_path / "no-fq", record_runs=False,
               device="cpu", log=lambda s: None)
     table = compare_samples(export, res.samples["no-fq"]).set_index("task")
     assert table.loc["wb_code_choice", "max_abs_loglik_diff"] > 2 * DEFAULT_TOLERANCE

@@ -105,17 +105,21 @@ def read_eval(path: str | Path) -> dict[str, Any]:
 
 
 def results_table(ev: dict[str, Any]) -> pd.DataFrame:
-    """One row per task x metric x model: task, metric, model, role, recipe, value, stderr, n."""
+    """One row per task x metric x model: task, metric, model, role, recipe, value, stderr, n,
+    higher_is_better (lm-eval's word for the metric; None when it gave none)."""
     rows = []
     for m in ev["models"]:
         for task, metrics in m["results"].items():
             n = (m.get("n_samples") or {}).get(task)
+            hib = (m.get("higher_is_better") or {}).get(task, {})
             for key, v in metrics.items():
+                metric = key.partition(",")[0]
                 rows.append({"task": task, "metric": metric_label(key), "model": m["label"],
                              "role": m["role"], "recipe": m.get("recipe"),
                              "value": _num(v.get("value")), "stderr": _num(v.get("stderr")),
-                             "n": n})
-    cols = ["task", "metric", "model", "role", "recipe", "value", "stderr", "n"]
+                             "n": n, "higher_is_better": hib.get(metric)})
+    cols = ["task", "metric", "model", "role", "recipe", "value", "stderr", "n",
+            "higher_is_better"]
     return pd.DataFrame(rows, columns=cols)
 
 
