@@ -18,7 +18,9 @@ def add_parser(sub) -> None:
     p.add_argument("--reference", help="BF16 checkpoint both sides are measured against")
     p.add_argument("--metric", default="rel_err", choices=("rel_err", "max_abs_err"))
     p.add_argument("--tol-pct", type=float, default=1.0,
-                   help="changes within this many percent count as 'same' (default 1)")
+                   help="a change of more than this many percent of B's error is "
+                        "'improved' or 'worse'; up to it (inclusive) 'same' (default 1; 0: any "
+                        "difference counts, equal errors are 'same')")
     p.add_argument("--out", default="compare-out", help="folder for compare.csv, figures, summary")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(func=run)

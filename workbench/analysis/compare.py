@@ -12,8 +12,11 @@ weight (layer x expert x projection), and their difference:
 
 The result's ``table`` has one row per weight: ``a_<m>`` / ``b_<m>`` for the error metrics,
 ``delta`` = A - B of ``metric``, ``change_pct`` = 100 * delta / B, and ``verdict``: improved
-(A has at least ``tol_pct`` percent less error), worse, or same. Lower is better for the
-metrics offered (``rel_err``, ``max_abs_err``); ``sqnr_gain_db`` = A - B in dB (higher: A better).
+when A has more than ``tol_pct`` percent less error than B (``change_pct < -tol_pct``), worse
+when more than ``tol_pct`` percent more (``change_pct > tol_pct``), same otherwise: a change of
+exactly ``tol_pct`` percent is within the tolerance, and at ``tol_pct=0`` any difference counts
+while equal errors stay "same". Lower is better for the metrics offered (``rel_err``,
+``max_abs_err``); ``sqnr_gain_db`` = A - B in dB (higher: A better).
 """
 
 from __future__ import annotations
@@ -246,6 +249,7 @@ def combine(a, b, metric: str = "rel_err", tol_pct: float = 1.0):
     if "a_sqnr_db" in t and "b_sqnr_db" in t:
         # inf - inf (both exact) is no gain
         t["sqnr_gain_db"] = [0.0 if x == y else x - y for x, y in zip(t.a_sqnr_db, t.b_sqnr_db)]
+    # strict: a change of exactly tol_pct is "same", so tol_pct=0 never calls equal errors better
     t["verdict"] = ["improved" if c < -tol_pct else ("worse" if c > tol_pct else "same")
                     for c in t["change_pct"]]
     order = {"routed": 0, "shared": 1, "dense": 2}

@@ -47,7 +47,7 @@ CUDA_BATCH_ELEMENTS = 1 << 28  # 256M elements: a whole layer's experts per laun
 READER_ENV = "WORKBENCH_ANALYSIS_READER"
 READERS = ("auto", "window", "preadv", "safetensors")
 # read once: the benchmark runs each reader in its own process to compare them. "auto" is what
-# measured better per device. On the H200 host (jobs/gpu/issue20.sh, 15 GB checkpoints, readers
+# measured better per device. On the H200 host (jobs/gpu/analysis_speed.sh, 15 GB checkpoints, readers
 # side by side in one run) the window reader gave 0.88-0.90x of the plain read for MXFP4 (warm
 # process) where preadv gave 0.64-0.65x, with half the host CPU and equal tables; preadv had
 # beaten the older reader there before (0.55 vs 0.47-0.53x, 26 vs 61 CPU-s, 28 vs ~300 MB). On

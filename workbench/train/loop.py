@@ -171,7 +171,7 @@ def validate(model, val_tokens: torch.Tensor, cfg: TrainConfig, info: DistInfo) 
                                          seq=cfg.seq, split="val"), info.rank, info.world)
         tok_BS = tok_BS.to(info.device)
         with _autocast(info):
-            out = model(tok_BS, labels_BS=tok_BS)
+            out = model(tok_BS, labels_BS=tok_BS, return_logits=False)
         total += float(out.ce_loss)
     model.train()
     return _mean_over_ranks(total / cfg.val_batches, info)
@@ -179,12 +179,13 @@ def validate(model, val_tokens: torch.Tensor, cfg: TrainConfig, info: DistInfo) 
 
 def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, info: DistInfo,
                step: int, fq_timer: FakeQuantTimer | None = None, teacher=None,
-               measure_memory: bool = False) -> dict[str, Any]:
+               measure_memory: bool = False, logits: bool = False) -> dict[str, Any]:
     """One optimizer step on the global batch of `step` (this rank's slice); returns its metrics.
     With an entered `fq_timer`, the record has `fake_quant_share` too; with a `teacher`
     (workbench.train.distill) the objective is the distillation one and the record has `kl`;
     with `measure_memory`, the `mem_*_bytes` this rank holds (max over ranks;
-    `workbench.train.memory`)."""
+    `workbench.train.memory`). `logits`: make the [B, S, V] logits (the plain head and loss)
+    even without a teacher, for comparing the two paths (default: only when distilling)."""
     from workbench.model import sync_gradients
 
     timing = fq_timer is not None and fq_timer.available
@@ -196,7 +197,9 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
     kl = []
     meter = SavedTensorMeter(model) if measure_memory else contextlib.nullcontext()
     with _autocast(info), meter:
-        res = model(tok_BS, labels_BS=tok_BS)
+        # the [B, S, V] logits only when distillation needs them (workbench.model.loss)
+        want_logits = bool(logits) or teacher is not None
+        res = model(tok_BS, labels_BS=tok_BS, return_logits=want_logits)
         objective = res.loss
         if teacher is not None:
             objective, kl_t = distill.objective(res, teacher, tok_BS, cfg,

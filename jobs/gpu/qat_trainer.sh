@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 19 on one H200, one command (about 8 minutes; every stage has its own time limit so the
+# QAT kernels, expert layer, trainer and EP1 protocol on one H200, one command (about 8 minutes; every stage has its own time limit so the
 # whole stays under the device tool's 600 s):
-#   tests  the GPU tests this issue touches (cached amax + one-pass quantize, the grouped fast
+#   tests  the GPU tests of the QAT path (cached amax + one-pass quantize, the grouped fast
 #          path, the model's CUDA tests) and the CPU tests of the amax cache and the atomic-free
 #          combine (the full kernel suite: tests/kernels/run_gpu.sh)       -> $OUT/tests.log
 #   bits   jobs/gpu/swiglu_bits.py: the fused SwiGLU kernels against torch's CUDA ops, every
@@ -18,14 +18,14 @@
 #   ep2    jobs/gpu/ep2_protocol.sh --nproc 1 --deterministic: bitwise resume on the GPU
 #                                                          -> $OUT/ep1/summary.md (+ its files)
 # Usage (device tool, kind nvidia-h200, nothing to carry: no torchao, wandb or submitit needed):
-#   bash jobs/gpu/issue19.sh
-#   STAGES=ep2 bash jobs/gpu/issue19.sh          # the resume check alone, if the first call ran out
-#   STAGES=moe,train bash jobs/gpu/issue19.sh    # a subset; EP1_STEPS / TRAIN_ARGS override sizes
-#   STAGES=train TRAIN_T=400 TRAIN_ARGS="--swiglu-ab --profile 3" bash jobs/gpu/issue19.sh
+#   bash jobs/gpu/qat_trainer.sh
+#   STAGES=ep2 bash jobs/gpu/qat_trainer.sh          # the resume check alone, if the first call ran out
+#   STAGES=moe,train bash jobs/gpu/qat_trainer.sh    # a subset; EP1_STEPS / TRAIN_ARGS override sizes
+#   STAGES=train TRAIN_T=400 TRAIN_ARGS="--swiglu-ab --profile 3" bash jobs/gpu/qat_trainer.sh
 #                                                # the fused SwiGLU's trainer A/B with kernel times
-#   DRY_RUN=cpu bash jobs/gpu/issue19.sh         # every stage at CPU sizes (tiny preset, --cpu)
+#   DRY_RUN=cpu bash jobs/gpu/qat_trainer.sh         # every stage at CPU sizes (tiny preset, --cpu)
 set -uo pipefail
-JOB_NAME=issue19
+JOB_NAME=qat_trainer
 source "$(dirname "$0")/_env.sh"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 WANDB_MODE=disabled
 STAGES=${STAGES:-tests,bits,moe,train,ep2}
@@ -60,7 +60,7 @@ if [[ $STAGES == *moe* ]]; then
       plain) extra=() ;;
       optimizer) extra=(--optimizer) ;;
       fp32) extra=(--optimizer --masters fp32) ;;
-      *) echo "issue19.sh: unknown MOE_VARIANTS entry '$variant'" >&2; exit 2 ;;
+      *) echo "qat_trainer.sh: unknown MOE_VARIANTS entry '$variant'" >&2; exit 2 ;;
     esac
     stamp "bench_qat_moe ${MOE_ARGS[*]} ${extra[*]}"
     mkdir -p "$OUT/moe-$variant"
