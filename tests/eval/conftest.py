@@ -4,11 +4,21 @@ subprocess, as a user runs it)."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 from builders import env, train_group, workbench_eval
+
+# The local Slurm cluster fixture and the isolated job index of the launch tests, loaded by path
+# (a second module named conftest would shadow this one).
+_spec = importlib.util.spec_from_file_location(
+    "_launch_conftest", Path(__file__).resolve().parents[1] / "launch" / "conftest.py")
+_launch = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_launch)
+slurm_cluster = _launch.slurm_cluster
+launch_index = _launch.launch_index
 
 
 @pytest.fixture(autouse=True)

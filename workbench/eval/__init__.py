@@ -13,6 +13,7 @@ docs/eval.md has the definitions. lm-eval (extra ``eval``) is imported here and 
 
 from workbench.eval.errors import EvalError
 from workbench.eval.harness import LM_EVAL_VERSION, HarnessOptions
+from workbench.eval.launch import EvalRequest, chain_eval
 from workbench.eval.load import Loaded, load
 from workbench.eval.refs import ModelRef, parse_model, parse_models
 from workbench.eval.runner import EvalResult, format_report, run
@@ -35,6 +36,7 @@ __all__ = [
     "SHIPPED",
     "TASKS_DIR",
     "EvalError",
+    "EvalRequest",
     "EvalResult",
     "GroupEval",
     "HarnessOptions",
@@ -42,6 +44,7 @@ __all__ = [
     "ModelRef",
     "ShipCheck",
     "TaskSet",
+    "chain_eval",
     "compare_samples",
     "format_report",
     "group_eval",
