@@ -67,6 +67,14 @@ def test_run_folders_pick_what_the_run_trained(tmp_path):
     assert (r.kind, r.step, r.label) == ("run-dcp", 4, "no-export@step4")
 
 
+def test_a_run_without_config_json_is_read_from_its_checkpoints(tmp_path):
+    # a run started through the Python API (the demo's) has no config.json
+    run = _run(tmp_path / "api-run", "nvfp4", export="bf16")
+    (run / "config.json").unlink()
+    r = parse_model(str(run))
+    assert (r.kind, r.recipe, r.step) == ("run-dcp", "nvfp4:torchao", 8)
+
+
 def test_labels_are_unique(tmp_path):
     a = _ckpt(tmp_path / "a" / "export")
     b = _ckpt(tmp_path / "b" / "model")

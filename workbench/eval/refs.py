@@ -164,7 +164,11 @@ def _run_dcp(text: str, run: Path, step_dir: Path, meta: dict, note: str) -> Mod
 
 
 def _run(text: str, run: Path) -> ModelRef:
-    conf = _run_config(run, None)
+    found = list_complete(run)
+    # config.json is written by the trainer's command line; a run started through the Python
+    # API (the demo's) has only its checkpoints' record of the configuration.
+    conf = _run_config(run, None if (run / "config.json").is_file() or not found
+                       else found[-1].meta)
     recipe = _recipe_text(conf.get("recipe"), conf.get("profile"), str(run / "config.json"))
     result = _read_json(run / "result.json", "result.json") if (run / "result.json").is_file() \
         else {}
@@ -184,7 +188,6 @@ def _run(text: str, run: Path) -> ModelRef:
                             note=f"the run's {what} export", train_config=conf)
         why_not_export = (f"its export {export.name}/ is BF16 (the masters without their "
                           f"{recipe} quantization)")
-    found = list_complete(run)
     if not found:
         raise EvalError(f"{run}: nothing to evaluate: {why_not_export} and no complete DCP "
                         "checkpoint under checkpoints/")
