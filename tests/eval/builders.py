@@ -52,7 +52,7 @@ def task_lines() -> list[str]:
     return lines
 
 
-def write_corpus(path: Path, n: int = 400, seed: int = 0) -> Path:
+def write_corpus(path: Path, n: int = 1200, seed: int = 0) -> Path:
     """JSONL records of 6 task lines each, shuffled."""
     rng = random.Random(seed)
     lines = task_lines()
@@ -77,7 +77,7 @@ def write_checkpoint(folder: Path, corpus: Path, *, seed: int = 0) -> Path:
     cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=16, moe_intermediate_size=32, num_experts=8,
-                         num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256,
+                         num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=2048,
                          architectures=["Qwen3MoeForCausalLM"])
     torch.manual_seed(seed)
     Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(folder)
