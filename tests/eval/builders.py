@@ -124,3 +124,38 @@ def write_demo_init(folder: Path) -> Path:
 
 if __name__ == "__main__":  # build once by hand: python tests/eval/builders.py DIR
     print(train_group(Path(sys.argv[1])))
+
+
+CACHED_HUB_DATASET = """
+import sys
+from pathlib import Path
+import pyarrow as pa, pyarrow.parquet as pq
+import datasets
+from datasets.data_files import DataFilesDict
+from datasets.packaged_modules.parquet.parquet import Parquet, ParquetConfig
+repo, config, src = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+rows = {"question": ["What is 2 + 3?", "What is 10 - 4?", "What is 3 + 3?"],
+        "answer": ["2 + 3 = 5\\n#### 5", "10 - 4 = 6\\n#### 6", "3 + 3 = 6\\n#### 6"]}
+src.mkdir(parents=True)
+for split in ("train", "test"):
+    pq.write_table(pa.table(rows), src / f"{split}.parquet")
+files = DataFilesDict.from_patterns({s: [str(src / f"{s}.parquet")] for s in ("train", "test")})
+class Hub(Parquet):
+    BUILDER_CONFIGS = [ParquetConfig(name=config, data_files=files)]
+namespace, name = repo.split("/")
+Hub(config_name=config, dataset_name=name, hash="0123abcd").download_and_prepare()
+root = Path(datasets.config.HF_DATASETS_CACHE)
+(root / name).rename(root / f"{namespace}___{name}")
+assert datasets.load_dataset(repo, config)["test"].num_rows == 3
+"""
+
+
+def cache_hub_dataset(tmp: Path, repo: str, config: str) -> None:
+    """What `datasets` leaves in its cache after downloading `repo` (3 rows of grade-school
+    arithmetic): written by datasets' own parquet builder under the hub dataset's cache name, and
+    read back offline by `datasets.load_dataset(repo, config)` before the test uses it."""
+    proc = subprocess.run([sys.executable, "-c", CACHED_HUB_DATASET, repo, config,
+                           str(tmp / "hub-source")], env=env(tmp), cwd=tmp,
+                          capture_output=True, text=True, timeout=300, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"caching {repo} failed:\n{proc.stderr[-3000:]}")

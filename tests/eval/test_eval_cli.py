@@ -69,3 +69,26 @@ def test_unknown_task_from_the_command_line(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == [errors[0]] and "unknown task 'hellaswagg'" in errors[0]
     assert "close matches: hellaswag" in errors[0]
+
+
+@pytest.mark.slow  # lm-eval's registry index and a generation task
+def test_registry_task_runs_offline_from_the_local_cache(group, tmp_path):
+    """gsm8k from lm-eval's registry, its dataset only in the local datasets cache: evaluated
+    offline; the same task without the cache is one error line naming it."""
+    from builders import cache_hub_dataset
+
+    from workbench.track import read_eval
+
+    args = [group["bf16_model"], "--tasks", "gsm8k", "--limit", "2", "--num-fewshot", "1",
+            "--out", tmp_path / "out"]
+    proc = workbench_eval(args, tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: task gsm8k: its dataset is not in "
+                                                     "the local Hugging Face cache"), errors
+    cache_hub_dataset(tmp_path, "openai/gsm8k", "main")
+    proc = workbench_eval(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (m,) = read_eval(tmp_path / "out")["models"]
+    assert set(m["results"]["gsm8k"]) == {"exact_match,strict-match", "exact_match,flexible-extract"}
+    assert m["n_samples"]["gsm8k"] == 2
