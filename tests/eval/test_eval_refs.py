@@ -143,3 +143,13 @@ def test_local_task_data_are_read_from_the_yaml_folder(tmp_path):
 def test_unknown_task_names_close_matches():
     with pytest.raises(EvalError, match="unknown task 'gsm8kk'.*close matches: gsm8k"):
         resolve_tasks("wb_code_choice,gsm8kk")
+
+
+def test_models_that_saw_other_documents_are_refused():
+    from workbench.eval.runner import _same_documents
+
+    same = [{"label": "a", "docs_sha": {"t": "x", "u": "y"}},
+            {"label": "b", "docs_sha": {"t": "x", "u": "y"}}]
+    _same_documents(same)
+    with pytest.raises(EvalError, match="task u: b saw other documents than a"):
+        _same_documents([same[0], {"label": "b", "docs_sha": {"t": "x", "u": "z"}}])

@@ -86,6 +86,8 @@ def transformers_model(path: Path, device: torch.device, dtype: torch.dtype) -> 
         from transformers import Mxfp4Config
 
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)  # gpt-oss' own layout
+    if device.type != "cpu":  # straight onto the GPU, not a full host copy first
+        kwargs["device_map"] = str(device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(path), dtype=dtype, local_files_only=True, trust_remote_code=False, **kwargs)

@@ -98,7 +98,7 @@ def _run_settings(run: Path) -> dict[str, Any]:
     return conf if isinstance(conf, dict) else {}
 
 
-def record_in_run(ref: ModelRef, ev: dict[str, Any], *, wandb_mode: str | None = None) -> list[str]:
+def record_in_run(ref: ModelRef, ev: dict[str, Any]) -> list[str]:
     """Append the model's columns to its run's metrics.jsonl at its step and put them in the
     summary of the run's wandb run. Returns what was done (lines for the log)."""
     done: list[str] = []
@@ -117,7 +117,7 @@ def record_in_run(ref: ModelRef, ev: dict[str, Any], *, wandb_mode: str | None =
             writer.close()
         done.append(f"{ref.run / 'metrics.jsonl'}: eval columns at step {step}")
     conf = _run_settings(ref.run)
-    mode = wandb_mode or conf.get("wandb") or "offline"
+    mode = conf.get("wandb") or "offline"
     id_file = ref.run / WANDB_RUN_ID_FILE
     if mode == "disabled" or not id_file.is_file():
         why = "wandb disabled" if mode == "disabled" else f"no {WANDB_RUN_ID_FILE}"
