@@ -113,7 +113,7 @@ def test_compiled_chunk_equals_the_plain_function_on_the_gpu():
     ok = labels % 7 != 0
     scale = 1.0 / ok.sum().float()
     ref_loss, ref_g = _chunk(z, labels, ok, scale, True)
-    loss, grad = _chunk_compiled(z, labels, ok, scale, True)
+    loss, grad = _chunk_compiled()(z, labels, ok, scale, True)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad.float(), ref_g.float(), rtol=1.6e-2, atol=1e-8)
     assert torch.count_nonzero(grad[~ok]) == 0

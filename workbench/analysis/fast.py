@@ -57,10 +57,14 @@ READERS = ("auto", "window", "preadv", "safetensors")
 READER = os.environ.get(READER_ENV, "auto")
 
 
-def reader_for(dev: torch.device) -> str:
-    """The stack reader used on ``dev``: ``READER``, with "auto" resolved per device."""
+def reader_for(dev: torch.device, local: bool = True) -> str:
+    """The stack reader used on ``dev``: ``READER``, with "auto" resolved per device. A remote
+    checkpoint (``local`` False) takes the range reads of ``preadv`` in parallel, never the
+    window reader, which would fetch the bytes between the tensors asked for."""
     if READER not in READERS:
         raise ValueError(f"{READER_ENV}={READER!r}: must be one of {', '.join(READERS)}")
+    if not local and READER in ("auto", "window"):
+        return "preadv"
     if READER != "auto":
         return READER
     return "window" if dev.type == "cuda" else "safetensors"
@@ -277,7 +281,7 @@ class Loaded:
 def load_stack(ck, recs: list, dev: torch.device, *, want_grid_only: bool = False) -> Loaded:
     """Read one batch's records (one signature) and stage them on ``dev`` as a stack. Under
     the window reader this serves the records no window takes (preadv per member)."""
-    reader = reader_for(dev)
+    reader = reader_for(dev, ck.is_local)
     if _grid_codec(ck, recs[0]):
         got = _read_grid_stack(ck, recs, dev) if reader in ("preadv", "window") else None
         if got is not None:
@@ -513,7 +517,7 @@ def _run(ck, items: list, keyf, dev, plan: Plan, desc: str, progress: bool, load
     rest = list(range(len(items)))
     units: list = []
     parts: dict[int, tuple] = {}
-    if windows is not None and reader_for(dev) == "window":
+    if windows is not None and reader_for(dev, windows.ck.is_local) == "window":
         units, rest, parts = window_plan(windows.ck, windows.recs, [keyf(r) for r in items],
                                          plan, windows.dense)
     units += [[rest[j] for j in b] for b in

@@ -6,7 +6,9 @@
 
 Each returns ``ErrorTables(experts, scales)``: ``experts`` has one row per layer x expert x
 projection x recipe with ``kind`` in routed/shared/dense (never mixed), ``scales`` the long
-scale-exponent histogram. Each function takes ``path`` (``paths.choose_path``: "auto" by default,
+scale-exponent histogram. ``nonfinite`` counts the NaN/Inf values among a row's inputs (the
+weights as stored, decoded, and the reference's): a row whose sums met one has NaN metrics,
+and is then re-read and counted here, on every path alike. Each function takes ``path`` (``paths.choose_path``: "auto" by default,
 logged): this module is the reference path, which streams one weight at a time through a small
 thread pool (torch kernels release the GIL, so I/O of the next weights overlaps the math of this
 one); at most ``inflight`` weights are alive. The batched and fused paths are ``fast.py``.
@@ -24,10 +26,17 @@ import torch
 
 from workbench._io import atomic_open
 from workbench.checkpoint.grid import stored_grid
+from workbench.checkpoint.select import as_selection
 from workbench.formats import Recipe, dequantize, parse_recipe, quantize
 
 from . import fast, paths
-from .metrics import error_metrics, grid_mismatch, scale_exponents
+from .metrics import (
+    count_nonfinite,
+    error_metrics,
+    grid_mismatch,
+    nonfinite_rows,
+    scale_exponents,
+)
 from .paths import choose_path
 
 KEY_COLS = ["layer", "expert", "proj", "kind", "recipe"]
@@ -91,8 +100,13 @@ def _stream(items: list, work: Callable, desc: str, workers: int | None, infligh
     bar.close()
 
 
-def _records(ck, kinds):
-    return [r for r in ck.expert_records() if r.kind in kinds]
+def _records(ck, kinds, select=None):
+    """The records a question covers: of ``kinds``, kept by ``select`` (a
+    ``workbench.checkpoint.select.Selection``; None: all), which must keep something."""
+    sel = as_selection(select)
+    recs = [r for r in ck.expert_records() if r.kind in kinds]
+    sel.check(recs, str(ck.path))
+    return sel.filter(recs)
 
 
 def _rows(rec, recipe: str, metrics: dict, q) -> tuple[dict, list[dict]]:
@@ -118,24 +132,44 @@ def _collect(results, pd) -> ErrorTables:
     return ErrorTables(experts, scales)
 
 
+def _with_nonfinite(t: ErrorTables, items, count: Callable) -> ErrorTables:
+    """Add ``nonfinite``: ``count(record)`` for each weight whose rows met a NaN or Inf
+    (``metrics.nonfinite_rows``, the same on every path), 0 for the others."""
+    df = t.experts
+    df["nonfinite"] = 0
+    if df.empty:
+        return t
+    by_key = {(r.layer, r.expert, r.proj, r.kind): r for r in items}
+    flagged = df.loc[nonfinite_rows(df), ["layer", "expert", "proj", "kind"]].drop_duplicates()
+    for k in flagged.itertuples(index=False):
+        sel = (df.layer == k.layer) & (df.expert == k.expert) & (df.proj == k.proj) & \
+            (df.kind == k.kind)
+        df.loc[sel, "nonfinite"] = count(by_key[(k.layer, k.expert, k.proj, k.kind)])
+    return t
+
+
 def candidate_errors(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "shared", "dense"),
                      device: str | None = None, workers: int | None = None, inflight: int = 4,
-                     progress: bool = True, path: str = "auto") -> ErrorTables:
+                     progress: bool = True, path: str = "auto", select=None) -> ErrorTables:
     """Question 1: each weight (decoded to BF16 if stored packed) under each candidate recipe.
 
     ``path`` picks reference / batched / fused ("auto": see ``paths.choose_path``); every path
-    gives the reference's table (float sums to summation order)."""
+    gives the reference's table (float sums to summation order). ``select`` (a
+    ``Selection``) restricts the question to some layers / experts: only their bytes are read."""
     pd = _pd()
     recs = [parse_recipe(r) for r in recipes]
     dev = _device(device)
-    items = _records(ck, kinds)
+    items = _records(ck, kinds, select)
     q = "candidate recipes"
     choice = choose_path(path, dev, _elements(items) * len(recs), q,
                          paths.job_units(q, dev, _signatures(ck, items), _sizes(items), recs))
+    def count(rec):
+        return count_nonfinite(ck.view_of(rec).materialize())
+
     if choice.path != "reference":
-        return _collect(paths.run(choice, lambda: fast.candidate_results(
+        return _with_nonfinite(_collect(paths.run(choice, lambda: fast.candidate_results(
             ck, items, recs, dev, _plan(dev, workers), progress,
-            use_compiled=choice.path == "fused")), pd)
+            use_compiled=choice.path == "fused")), pd), items, count)
 
     def work(rec):
         w = ck.view_of(rec).materialize().to(dev)
@@ -147,7 +181,8 @@ def candidate_errors(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "s
             hist.extend(h)
         return rows, hist
 
-    return _collect(_stream(items, work, "candidate recipes", workers, inflight, progress), pd)
+    return _with_nonfinite(_collect(_stream(items, work, "candidate recipes", workers, inflight,
+                                            progress), pd), items, count)
 
 
 def _stored_label(ck, rec) -> str:
@@ -157,7 +192,7 @@ def _stored_label(ck, rec) -> str:
 
 def reference_errors(ck, reference, *, kinds=("routed", "shared", "dense"),
                      device: str | None = None, workers: int | None = None, inflight: int = 4,
-                     progress: bool = True, path: str = "auto") -> ErrorTables:
+                     progress: bool = True, path: str = "auto", select=None) -> ErrorTables:
     """Question 2: the checkpoint's stored weights against the same weights in ``reference``.
 
     Records are matched by (kind, layer, expert, proj), so the two may use different layouts.
@@ -167,19 +202,24 @@ def reference_errors(ck, reference, *, kinds=("routed", "shared", "dense"),
     # the reference's keys once: built per record, this check took 2.7 s for the 3840 records of
     # a 15 GB pair (2-core host), a quarter of the whole GPU pass
     have = {(x.kind, x.layer, x.expert, x.proj) for x in reference.expert_records()}
-    missing = [r.key for r in _records(ck, kinds) if (r.kind, r.layer, r.expert, r.proj) not in have]
+    items = _records(ck, kinds, select)
+    missing = [r.key for r in items if (r.kind, r.layer, r.expert, r.proj) not in have]
     if missing:
         raise ValueError(f"reference checkpoint {reference.path} lacks {len(missing)} weights of "
                          f"{ck.path}, e.g. {missing[:3]}")
-    items = _records(ck, kinds)
     q = "stored vs reference"
     refs = [reference.record(r.layer, r.expert, r.proj, r.kind) for r in items]
     choice = choose_path(path, dev, _elements(items), q, paths.job_units(
         q, dev, list(zip(_signatures(ck, items), _signatures(reference, refs))), _sizes(items)))
+    def count(rec):
+        ref = reference.record(rec.layer, rec.expert, rec.proj, rec.kind)
+        return count_nonfinite(ck.view_of(rec).materialize(),
+                               reference.view_of(ref).materialize())
+
     if choice.path != "reference":
-        return _collect(paths.run(choice, lambda: fast.reference_results(
+        return _with_nonfinite(_collect(paths.run(choice, lambda: fast.reference_results(
             ck, reference, items, lambda rec: _stored_label(ck, rec), dev, _plan(dev, workers),
-            progress, use_compiled=choice.path == "fused")), pd)
+            progress, use_compiled=choice.path == "fused")), pd), items, count)
 
     def work(rec):
         ref = reference.view_of(reference.record(rec.layer, rec.expert, rec.proj, rec.kind))
@@ -193,12 +233,14 @@ def reference_errors(ck, reference, *, kinds=("routed", "shared", "dense"),
         row, h = _rows(rec, _stored_label(ck, rec), error_metrics(w, deq, q), q)
         return [row], h
 
-    return _collect(_stream(items, work, "stored vs reference", workers, inflight, progress), pd)
+    return _with_nonfinite(_collect(_stream(items, work, "stored vs reference", workers,
+                                            inflight, progress), pd), items, count)
 
 
 def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "shared", "dense"),
                       device: str | None = None, workers: int | None = None, inflight: int = 4,
-                      progress: bool = True, path: str = "auto") -> ErrorTables:
+                      progress: bool = True, path: str = "auto", select=None
+                      ) -> ErrorTables:
     """Question 3: re-quantize each stored packed weight's decoded values with each recipe.
 
     Rows carry the error of the re-quantized weights against the decoded stored weights (zero
@@ -208,14 +250,17 @@ def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "
     pd = _pd()
     recs = [parse_recipe(r) for r in recipes]
     dev = _device(device)
-    items = _records(ck, kinds)
+    items = _records(ck, kinds, select)
     q = "stored grid vs recipes"
     choice = choose_path(path, dev, _elements(items) * len(recs), q,
                          paths.job_units(q, dev, _signatures(ck, items), _sizes(items), recs))
+    def count(rec):
+        return count_nonfinite(ck.view_of(rec).materialize())
+
     if choice.path != "reference":
-        return _collect(paths.run(choice, lambda: fast.stored_results(
+        return _with_nonfinite(_collect(paths.run(choice, lambda: fast.stored_results(
             ck, items, recs, dev, _plan(dev, workers), progress,
-            use_fused=choice.path == "fused")), pd)
+            use_fused=choice.path == "fused")), pd), items, count)
 
     def work(rec):
         stored = stored_grid(ck, rec)
@@ -234,8 +279,8 @@ def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "
             hist.extend(h)
         return rows, hist
 
-    return _collect(_stream(items, work, "stored grid vs recipes", workers, inflight, progress),
-                    pd)
+    return _with_nonfinite(_collect(_stream(items, work, "stored grid vs recipes", workers,
+                                            inflight, progress), pd), items, count)
 
 
 def _sizes(items) -> list[int]:

@@ -162,7 +162,7 @@ def silu_mul_fake_quantize(g: torch.Tensor, u: torch.Tensor, fmt,
     GPU the same bits as those torch ops and then this module's ``fake_quantize``
     (tests/kernels/test_swiglu.py checks the silu on every bf16 input). The SwiGLU of an expert
     layer fused with the down projection's activation fake quantization: neither ``silu(g)``
-    nor the product is written (``workbench.qat.grouped.swiglu``)."""
+    nor the product is written (the QAT seam's ``down``, ``workbench.qat.grouped``)."""
     recipe, spec = _check(g, fmt, profile)
     if spec.scale != "e8m0":
         raise NotImplementedError(f"silu_mul_fake_quantize serves MX formats, not {recipe}")

@@ -18,6 +18,7 @@ Both modules are torch-free: `import workbench.launch` and building a spec load 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from workbench.recipe import RecipeError, parse_qat_recipe
+from workbench.source import SourceError, resolve
 from workbench.train.args import TrainArgsError, config_from_args
 from workbench.train.args import trainer_argv as _trainer_argv
 from workbench.train.config import ACT_CKPT_MODES, EXPORTS, WANDB_MODES, TrainConfig
@@ -65,6 +67,22 @@ def _source(value: object, what: str, *, hub: bool = True) -> str:
     if not path.exists():
         raise LaunchSpecError(f"LaunchSpec: {what} {text!r} does not exist")
     return str(path)
+
+
+def _model_source(value: object, what: str) -> str:
+    """init / tokenizer for the job's command line: a hub id resolved now and pinned to its
+    commit (every rank and restart of the job reads the same one; offline, it must be in the
+    Hugging Face cache), a URL as given, else a local path as `_source` takes it."""
+    if isinstance(value, str) and value and not os.path.lexists(value):
+        try:
+            src = resolve(value, need="tokenizer" if what == "tokenizer" else "checkpoint")
+        except SourceError as e:
+            raise LaunchSpecError(f"LaunchSpec: {what}: {e}") from None
+        if src.kind == "hub":
+            return f"{src.repo_id}@{src.revision}"
+        if src.kind == "url":
+            return value
+    return _source(value, what, hub=False)
 
 
 def _frozen_str_map(value: Mapping[str, object] | None, what: str) -> Mapping[str, str]:
@@ -192,7 +210,7 @@ class LaunchSpec:
             bad("val_data needs data (the byte corpus has its own validation split)")
         for name in ("tokenizer", "init"):
             if getattr(self, name) is not None:
-                object.__setattr__(self, name, _source(getattr(self, name), name, hub=False))
+                object.__setattr__(self, name, _model_source(getattr(self, name), name))
         if self.profile is not None and (not isinstance(self.profile, str)
                                          or not _NAME.match(self.profile)):
             bad(f"profile must be a name like 'floor', got {self.profile!r}")

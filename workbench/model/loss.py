@@ -22,6 +22,8 @@ in fp32 across chunks instead of rounded once), equal within rounding.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -50,9 +52,12 @@ def _chunk(z: torch.Tensor, labels: torch.Tensor, ok: torch.Tensor, scale: torch
     return loss, g.to(z.dtype)
 
 
-# Compiled on first use on a GPU (the chunk's shape is fixed but for the last one); on a CPU the
-# plain function runs, which is also the reference the compiled one is tested against.
-_chunk_compiled = torch.compile(_chunk, fullgraph=True, dynamic=False)
+@functools.cache
+def _chunk_compiled():
+    """``_chunk`` compiled for a GPU (the chunk's shape is fixed but for the last one); made on
+    first use, because ``torch.compile`` loads Inductor and Triton, which importing the model
+    must not. The plain function is its reference (and what CPUs run)."""
+    return torch.compile(_chunk, fullgraph=True, dynamic=False)
 
 
 def _compute_dtype(h: torch.Tensor) -> torch.dtype:
@@ -76,7 +81,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss_N = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
             dh = torch.empty_like(h) if want else None
             dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want else None
-            chunk = _chunk_compiled if h.is_cuda and compiled else _chunk
+            chunk = _chunk_compiled() if h.is_cuda and compiled else _chunk
             for a in range(0, h.shape[0], rows):
                 b = min(a + rows, h.shape[0])
                 loss_N[a:b], g = chunk(F.linear(h[a:b], w), labels_N[a:b], valid_N[a:b], scale,

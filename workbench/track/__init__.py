@@ -24,7 +24,15 @@ from workbench.track.budgets import (
     default_budgets,
     publish,
 )
-from workbench.track.compare import Comparison, RunData, compare, load_runs, runs_table
+from workbench.track.compare import (
+    Comparison,
+    RunData,
+    RunSourceWarning,
+    UnreadableRun,
+    compare,
+    load_runs,
+    runs_table,
+)
 from workbench.track.evals import EvalFileError, GroupEval, group_eval, read_eval
 from workbench.track.experts import expert_error_summary, final_expert_errors
 from workbench.track.metrics import BadMetricsFile, MetricsLineSkipped, as_metrics, read_metrics
@@ -58,9 +66,11 @@ __all__ = [
     "PeakMemory",
     "RecoveryAtLeast",
     "RunData",
+    "RunSourceWarning",
     "StepTimeRatio",
     "TokensPerSecRatio",
     "TrackingWarning",
+    "UnreadableRun",
     "ValKLBelow",
     "ValLossWithin",
     "Verdict",

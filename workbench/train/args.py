@@ -58,7 +58,8 @@ _OVERRIDES = {"steps": "steps", "seed": "seed", "ckpt_every": "ckpt_every", "val
               "activation_checkpointing": "activation_checkpointing",
               "expert_stats_every": "expert_stats_every", "tokenizer": "tokenizer",
               "token_cache": "token_cache", "kd_temperature": "kd_temperature",
-              "kd_weight": "kd_weight", "ce_weight": "ce_weight", "ep": "ep", "fsdp": "fsdp"}
+              "kd_weight": "kd_weight", "ce_weight": "ce_weight", "ep": "ep", "fsdp": "fsdp",
+              "skip_nonfinite_steps": "skip_nonfinite_steps"}
 
 
 def parser(raising: bool = False) -> argparse.ArgumentParser:
@@ -92,6 +93,9 @@ def parser(raising: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--warmup", type=int)
     p.add_argument("--grad-clip", type=float)
+    p.add_argument("--skip-nonfinite-steps", type=int, metavar="N",
+                   help="skip up to N steps whose loss or gradient is NaN/Inf (no update, counted "
+                        "as skipped_steps); default 0: stop at the first, exit 2")
     p.add_argument("--profile", help="deprecated: the weight format's codec profile; write it in "
                    "the recipe instead (--recipe mxfp4:floor)")
     p.add_argument("--data", action="append", metavar="PATH",
@@ -100,7 +104,7 @@ def parser(raising: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--val-data", action="append", metavar="PATH",
                    help="validation text (repeatable); default: hold out the last train sequences")
     p.add_argument("--tokenizer", help="tokenizer folder (default: the --init folder's)")
-    p.add_argument("--token-cache", help="token cache folder (default: OUT/../.token-cache)")
+    p.add_argument("--token-cache", help="private token cache folder (default: OUT/../.token-cache-UID)")
     p.add_argument("--distill", action="store_true",
                    help="distil from the frozen --init model (KL to its logits)")
     p.add_argument("--kd-temperature", type=float, help="distillation temperature T (default 1)")
@@ -163,7 +167,8 @@ _VALUE_FLAGS = (("steps", "--steps"), ("seed", "--seed"), ("ckpt_every", "--ckpt
                 ("kd_weight", "--kd-weight"), ("ce_weight", "--ce-weight"),
                 ("wandb", "--wandb"), ("run_group", "--run-group"), ("run_name", "--run-name"),
                 ("project", "--project"), ("activation_checkpointing", "--activation-checkpointing"),
-                ("expert_stats_every", "--expert-stats-every"), ("ep", "--ep"))
+                ("expert_stats_every", "--expert-stats-every"), ("ep", "--ep"),
+                ("skip_nonfinite_steps", "--skip-nonfinite-steps"))
 
 
 def trainer_argv(cfg: TrainConfig) -> list[str]:

@@ -17,13 +17,17 @@ from pathlib import Path
 
 from workbench._io import atomic_write_json, atomic_write_text
 from workbench.arch import ModelConfigError
+from workbench.checkpoint import CheckpointError as ReaderError
 from workbench.recipe import RecipeError
+from workbench.source import SourceError
 from workbench.train.args import config_from_args
 from workbench.train.checkpointing import CheckpointError
 from workbench.train.config import TrainConfig
 from workbench.train.datasets import DataError
 from workbench.train.init import InitError
+from workbench.train.init_source import pin_init
 from workbench.train.logger import make_logger
+from workbench.train.loop import NonFiniteStep
 from workbench.train.resume_config import ResumeConfigError
 from workbench.train.tokenizer import TokenizerError
 
@@ -92,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     from workbench.train.determinism import enable as enable_determinism
     from workbench.train.loop import check_fresh_start, clear_stop, train
 
-    cfg = config_from_args(argv)
+    cfg, init_source = pin_init(config_from_args(argv))
     enable_determinism(cfg.deterministic)  # before CUDA / cuBLAS start (set_device, first matmul)
     info = distributed.setup(single_rank_group=cfg.fsdp)
     try:
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
         # `out` would need (train() checks again, for callers that skip main).
         check_fresh_start(cfg)
         resolved = {**cfg.to_dict(), "world_size": info.world, "ep_size": cfg.ep_size(info.world),
-                    "device": str(info.device)}
+                    "device": str(info.device), "init_source": init_source}
         logger = None
         if info.is_main:
             out = Path(cfg.out)
@@ -141,8 +145,11 @@ def cli(argv: list[str] | None = None) -> dict:
     try:
         return main(argv)
     except (CheckpointError, ResumeConfigError, DataError, TokenizerError, ModelConfigError,
-            InitError, RecipeError) as e:
+            InitError, RecipeError, NonFiniteStep, SourceError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    except ReaderError as e:  # the --init checkpoint (a missing shard, a failed download)
+        print(f"error: --init: {e.one_line()}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 

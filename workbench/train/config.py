@@ -32,6 +32,9 @@ WANDB_MODES = ("offline", "online", "disabled")
 FREE = frozenset({"out", "resume", "allow_config_change", "init", "val_every", "ckpt_every",
                   "keep", "export", "wandb", "project", "run_group", "run_name",
                   "activation_checkpointing", "deterministic", "expert_stats_every",
+                  # what to do with a step whose loss or gradient is NaN/Inf: never a value of
+                  # the steps that train (a stopped run resumes with skipping allowed)
+                  "skip_nonfinite_steps",
                   # the parallel layout: the checkpoint reshards (checkpointing.state_dict), and
                   # the trained function is the same at every layout (docs/fsdp.md)
                   "ep", "fsdp"})
@@ -78,6 +81,10 @@ class TrainConfig:
     beta2: float = 0.95
     adam_eps: float = 1e-8
     grad_clip: float = 1.0  # global L2 norm; 0 disables clipping (the norm is still logged)
+    # A step whose loss or global gradient norm is NaN/Inf stops the run before the optimizer
+    # step (exit 2, naming the step and the last good checkpoint); N > 0 skips up to N such
+    # steps instead (no optimizer or LR step; counted in metrics as `skipped_steps`).
+    skip_nonfinite_steps: int = 0
     val_every: int = 10  # 0 disables validation
     val_batches: int = 2
     ckpt_every: int = 10  # 0: only the final / preemption checkpoint
@@ -90,7 +97,7 @@ class TrainConfig:
     data: tuple[str, ...] = ()
     val_data: tuple[str, ...] = ()  # none: the last train sequences are held out
     tokenizer: str | None = None  # None: the --init folder's tokenizer
-    token_cache: str | None = None  # None: <parent of out>/.token-cache
+    token_cache: str | None = None  # None: <parent of out>/.token-cache-<uid> (private, 0700)
     # Distillation from the frozen --init model (workbench.train.distill).
     distill: bool = False
     kd_temperature: float = 1.0
@@ -136,7 +143,7 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"TrainConfig.{name} must be a positive int, got {v!r}")
-        for name in ("warmup", "val_every", "ckpt_every", "seed"):
+        for name in ("warmup", "val_every", "ckpt_every", "seed", "skip_nonfinite_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"TrainConfig.{name} must be an int >= 0, got {v!r}")
