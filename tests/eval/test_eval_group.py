@@ -80,6 +80,10 @@ def test_qat_run_records_its_eval_next_to_its_training(group, group_eval_dir):
             want[column(task, name)] = v["value"]
             want[column(task, name, "bf16")] = _value(b, task, key)
             want[column(task, name, "ptq")] = _value(p, task, key)
+            bv, pv = _value(b, task, key), _value(p, task, key)
+            if bv != pv:  # recovery next to the loss curves, as docs/eval.md defines it
+                want[column(task, name, "recovery")] = pytest.approx(
+                    (v["value"] - pv) / (bv - pv), rel=1e-12)
     # metrics.jsonl: one row at step 12 merged into the trainer's row of that step
     m = read_metrics(group["qat"])
     assert list(m["step"]) == list(range(1, 13))
