@@ -118,9 +118,10 @@ def main(argv: list[str] | None = None) -> int:
                    choices=("off", "full", "selective"))
     p.set_defaults(func=_plan)
     add_compare(sub)
-    p = sub.add_parser("eval", add_help=False, help="downstream evaluation (lm-eval) of BF16, "
-                       "PTQ and QAT models side by side (workbench eval --help)")
-    p.add_argument("argv", nargs=argparse.REMAINDER)
+    # Every word after "eval" (options too: no prefix char is "-") goes to workbench.eval.cli.
+    p = sub.add_parser("eval", add_help=False, prefix_chars="\0", help="downstream evaluation "
+                       "(lm-eval) of BF16, PTQ and QAT models side by side (workbench eval --help)")
+    p.add_argument("argv", nargs="*")
     p.set_defaults(func=_eval)
     args = ap.parse_args(argv)
     from workbench.analysis.inspect import InspectArgError

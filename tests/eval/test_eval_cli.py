@@ -92,3 +92,13 @@ def test_registry_task_runs_offline_from_the_local_cache(group, tmp_path):
     (m,) = read_eval(tmp_path / "out")["models"]
     assert set(m["results"]["gsm8k"]) == {"exact_match,strict-match", "exact_match,flexible-extract"}
     assert m["n_samples"]["gsm8k"] == 2
+
+
+def test_workbench_eval_help_reaches_the_eval_parser(capsys):
+    from workbench.cli import main as workbench_main
+
+    with pytest.raises(SystemExit) as exit_:
+        workbench_main(["eval", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: workbench eval") and "--tasks" in out and "ptq:RECIPE@PATH" in out
