@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from workbench.eval import EvalError, parse_model, parse_models, resolve_tasks
-from workbench.eval.tasks import TASKS_DIR, check_loadable
+from workbench.eval.taskset import TASKS_DIR, check_loadable
 
 HF_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
 

@@ -18,7 +18,7 @@ from workbench.eval.load import Loaded, load
 from workbench.eval.refs import ModelRef, parse_model, parse_models
 from workbench.eval.runner import EvalResult, format_report, run
 from workbench.eval.ship import DEFAULT_TOLERANCE, ShipCheck, compare_samples, ship_check
-from workbench.eval.tasks import SHIPPED, TASKS_DIR, TaskSet, resolve_tasks
+from workbench.eval.taskset import SHIPPED, TASKS_DIR, TaskSet, resolve_tasks
 from workbench.track.evals import (
     GroupEval,
     group_eval,

@@ -18,7 +18,7 @@ from typing import Any
 from workbench.eval.errors import EvalError
 from workbench.eval.lm import WorkbenchLM, hf_lm
 from workbench.eval.load import Loaded
-from workbench.eval.tasks import TaskSet
+from workbench.eval.taskset import TaskSet
 
 try:
     from lm_eval.evaluator import simple_evaluate

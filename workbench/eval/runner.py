@@ -37,7 +37,7 @@ from workbench.eval.record import (
     write_outputs,
 )
 from workbench.eval.refs import ModelRef, parse_models
-from workbench.eval.tasks import check_loadable, resolve_tasks
+from workbench.eval.taskset import check_loadable, resolve_tasks
 from workbench.track.evals import FORMAT, recovery_table, results_table, wide_table
 
 CACHED_ROLES = ("bf16", "ptq")
