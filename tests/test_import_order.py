@@ -60,6 +60,8 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("workbench.cli", "workbench.report"): CLI,
     ("workbench.cli", "workbench.train.plan"): CLI,
     ("workbench.cli", "workbench.eval.cli"): CLI,
+    ("workbench.cli", "workbench.train.args"): CLI,
+    ("workbench.cli", "workbench.train.cli"): CLI,
     ("workbench.compare_cli", "workbench.analysis.compare"): CLI,
     ("workbench.compare_cli", "workbench.checkpoint"): CLI,
     ("workbench.compare_cli", "workbench.report"): CLI,

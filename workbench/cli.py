@@ -83,6 +83,21 @@ def _plan(args) -> int:
     return 0 if p.fits else 1
 
 
+def _train(args) -> int:
+    import os
+
+    from workbench.train.args import config_from_args
+
+    # The command line first, torch-free: --help and a refused flag load nothing heavy.
+    config_from_args(args.argv, prog="workbench train")
+    # torchao (which transformers may import) skips its compiled extensions, built for another
+    # torch.
+    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    from workbench.train.cli import console
+
+    console(args.argv, prog="workbench train")
+
+
 def _eval(args) -> int:
     from workbench.eval.cli import main as eval_main  # lm-eval loads only for this subcommand
 
@@ -92,6 +107,12 @@ def _eval(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="workbench", description="MoE QAT workbench")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    # Every flag after `train` is the trainer's own (workbench.train.args, --help included): this
+    # parser takes none of them (no prefix character it would recognise), the trainer's parses all.
+    p = sub.add_parser("train", help="run the QAT trainer (one process; torchrun -m "
+                       "workbench.train.cli for several)", add_help=False, prefix_chars="\0")
+    p.add_argument("argv", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_train)
     p = sub.add_parser("inspect", help="per-expert quantization error of a checkpoint")
     p.add_argument("checkpoint", help="folder with model.safetensors[.index.json] and "
                    "config.json, hub id ORG/NAME[@REVISION], or URL (https://, hf://, s3://)")

@@ -113,11 +113,12 @@ def test_launch_spec_pins_an_id_to_its_commit(home):
     from workbench.launch import LaunchSpec
     from workbench.launch.spec import LaunchSpecError
 
-    spec = LaunchSpec(preset=None, init="org/tiny-moe", ep=1)
-    assert spec.init == f"org/tiny-moe@{C1}"
-    assert spec.trainer_argv("/x")[spec.trainer_argv("/x").index("--init") + 1] == spec.init
+    spec = LaunchSpec.build(preset=None, init="org/tiny-moe", ep=1)
+    assert spec.train.init == f"org/tiny-moe@{C1}"
+    assert f"--init=org/tiny-moe@{C1}" in spec.job_argv()
+    assert LaunchSpec.from_json(spec.to_json()) == spec  # a pinned id stays as it is
     with pytest.raises(LaunchSpecError, match="org/none is not in the Hugging Face cache"):
-        LaunchSpec(preset=None, init="org/none", ep=1)
+        LaunchSpec.build(preset=None, init="org/none", ep=1)
 
 
 def _rank1_model() -> MoEForCausalLM:

@@ -88,7 +88,7 @@ def test_trainer_argv_round_trips_the_layout(tmp_path):
         argv = trainer_argv(cfg)
         assert config_from_args(argv) == cfg
         assert ("--fsdp" in argv) == cfg.fsdp
-        assert ("--ep" in argv) == (cfg.ep is not None)
+        assert (f"--ep={cfg.ep}" in argv) == (cfg.ep is not None)
 
 
 def _fake_checkpoint(out: Path, cfg: TrainConfig) -> None:
@@ -246,11 +246,11 @@ def test_launch_check_plans_fsdp_layouts_as_sharded():
     from workbench.launch import LaunchSpec
     from workbench.launch.fits import plan_for
 
-    kw = {"preset": "qwen3_30b_a3b_like", "recipe": "mxfp4", "executor": "slurm",
-          "trainer_args": ("--batch", "8", "--seq", "512")}
-    ep_only = plan_for(LaunchSpec(ep=2, gpus_per_node=2, **kw))
-    fsdp = plan_for(LaunchSpec(ep=1, dp=2, fsdp=True, gpus_per_node=2, **kw))
-    ep2_fsdp = plan_for(LaunchSpec(ep=2, fsdp=True, gpus_per_node=2, **kw))
+    kw = {"preset": "qwen3_30b_a3b_like", "recipe": "mxfp4", "executor": "slurm", "batch": 8,
+          "seq": 512}
+    ep_only = plan_for(LaunchSpec.build(ep=2, gpus_per_node=2, **kw))
+    fsdp = plan_for(LaunchSpec.build(ep=1, dp=2, fsdp=True, gpus_per_node=2, **kw))
+    ep2_fsdp = plan_for(LaunchSpec.build(ep=2, fsdp=True, gpus_per_node=2, **kw))
     assert (ep_only.layout.sharded, fsdp.layout.sharded, ep2_fsdp.layout.sharded) == \
         (False, True, True)
     assert (fsdp.layout.ep, fsdp.layout.fsdp) == (1, 2)

@@ -95,6 +95,17 @@ def prepare_qat(model: nn.Module, cfg: TrainConfig, state: QATState | None = Non
     return prepare(model, recipe=cfg.qat_recipe, scope=QAT_SCOPE, state=state)
 
 
+def compile_layers(model: nn.Module) -> int:
+    """Regional compilation, as torchtitan does it: each decoder layer's forward through
+    ``torch.compile`` (layers of one kind share a graph), after activation checkpointing (the
+    recompute is compiled too) and before FSDP. The embedding, the LM head and its chunked loss
+    stay outside. Returns the number of layers."""
+    layers = model.model.layers
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig, qat_state: QATState | None = None):
     # No weight decay on norm gains (1-D); matrices, embeddings and expert stacks decay.
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
@@ -125,6 +136,8 @@ def build(cfg: TrainConfig, info: DistInfo, *, resuming: bool = False) -> Built:
     qat_state = None if cfg.qat_recipe.is_bf16 else QATState()
     report = prepare_qat(model, cfg, qat_state)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    if cfg.compile:
+        compile_layers(model)
     if layout.fsdp:
         apply_fsdp(model, layout, info.device)  # replaces the parameters by DTensor shards
     model.layout = layout  # read by the loop (gradient reduction) and checkpointing (resharding)
