@@ -31,12 +31,11 @@ def test_chained_eval_runs_after_training_and_lands_in_the_group(slurm_cluster, 
     for k, v in env(tmp_path).items():  # sbatch exports the submitter's environment
         if k.startswith(("HF_", "WANDB_", "TRANSFORMERS_", "OMP_", "TORCHAO_")):
             monkeypatch.setenv(k, v)
-    spec = LaunchSpec(executor="slurm", preset=None, init=group["bf16_model"],
-                      data=[group["root"] / "code.jsonl"], recipe="mxfp4", steps=4, ep=1,
-                      wandb="offline", export="compressed-tensors", time_min=20,
-                      folder=tmp_path / "sweep-group",
-                      trainer_args=("--batch", "4", "--seq", "64", "--lr", "1e-3",
-                                    "--val-every", "0"))
+    spec = LaunchSpec.build(executor="slurm", init=str(group["bf16_model"]),
+                            data=(str(group["root"] / "code.jsonl"),), recipe="mxfp4", steps=4,
+                            wandb="offline", export="compressed-tensors", time_min=20,
+                            folder=tmp_path / "sweep-group", batch=4, seq=64, lr=1e-3,
+                            val_every=0)
     runs = sweep(spec, seeds=[0, 1])
     request = EvalRequest(tasks=("wb_code_choice", "wb_code_complete"), limit=8)
     evals = [chain_eval(r, request) for r in runs]
@@ -80,9 +79,9 @@ def test_a_failed_training_job_cancels_its_eval(slurm_cluster, group, tmp_path, 
             monkeypatch.setenv(k, v)
     bad = tmp_path / "broken.jsonl"
     bad.write_text("{not json\n")
-    spec = LaunchSpec(executor="slurm", preset=None, init=group["bf16_model"], data=[bad],
-                      recipe="mxfp4", steps=2, wandb="disabled", time_min=10,
-                      folder=tmp_path / "failing")
+    spec = LaunchSpec.build(executor="slurm", init=str(group["bf16_model"]), data=(str(bad),),
+                            recipe="mxfp4", steps=2, wandb="disabled", time_min=10,
+                            folder=tmp_path / "failing", batch=4, seq=64)
     from workbench.launch import submit
 
     train = submit(spec)

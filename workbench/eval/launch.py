@@ -127,7 +127,7 @@ def chain_eval(train: JobHandle, request: EvalRequest, *,
     folder is RUN/eval; `JobHandle.attach` finds it again)."""
     spec = train.spec
     run = train.folder.resolve()
-    cfg = spec.train_config.replace(out=str(run))
+    cfg = spec.train
     if cfg.init is None and cfg.tokenizer is None and not cfg.data:
         raise EvalError(f"{run}: the run trains on the shipped byte corpus and has no tokenizer "
                         "to evaluate with; chain evals to runs with init= (a checkpoint and its "
@@ -137,21 +137,23 @@ def chain_eval(train: JobHandle, request: EvalRequest, *,
     folder.mkdir(parents=True, exist_ok=True)
     (folder / RESULT_FILE).unlink(missing_ok=True)
     argv = request.argv(run, eval_models(run, cfg, request.baselines), group / CACHE_FOLDER)
-    one = dataclasses.replace(spec, ep=1, dp=1, fsdp=False, nodes=1, tasks_per_node=None,
-                              gpus_per_node=min(spec.gpus_per_node, 1),
-                              time_min=request.time_min, folder=folder,
-                              signal_delay_s=min(spec.signal_delay_s, request.time_min * 30))
+    res = spec.resources
+    # One task on one GPU (when training had GPUs), the training job's partition, memory,
+    # sbatch extras and environment.
+    one = spec.replace(train=cfg.replace(ep=None, fsdp=False), resources=dataclasses.replace(
+        res, nodes=1, tasks_per_node=1, gpus_per_node=min(res.gpus_per_node, 1),
+        time_min=request.time_min, signal_delay_s=min(res.signal_delay_s, request.time_min * 30),
+        job_name=f"wb-eval-{spec.name}"))
     ex = make_executor(one, folder / "submitit")
-    slurm = spec.executor == "slurm"
+    slurm = res.executor == "slurm"
     if slurm:
-        ex.update_parameters(job_name=f"wb-eval-{spec.name}", additional_parameters={
-            **spec.sbatch, "dependency": f"afterok:{train.job_id}", "kill-on-invalid-dep": "yes"})
-    job = ex.submit(EvalJob(tuple(argv), str(folder / RESULT_FILE), spec.pythonpath,
+        ex.update_parameters(additional_parameters={
+            **res.sbatch, "dependency": f"afterok:{train.job_id}", "kill-on-invalid-dep": "yes"})
+    job = ex.submit(EvalJob(tuple(argv), str(folder / RESULT_FILE), res.pythonpath,
                             wait_for=None if slurm else str(train.folder)))
-    record = {"format": FORMAT, "executor": spec.executor, "job_id": str(job.job_id),
+    record = {"format": FORMAT, "executor": res.executor, "job_id": str(job.job_id),
               "run_folder": str(folder), "submitit_folder": str(folder / "submitit"),
-              "submitted_at": _dt.datetime.now(_dt.UTC).isoformat(),
-              "spec": dataclasses.replace(spec, folder=run).to_json(),
+              "submitted_at": _dt.datetime.now(_dt.UTC).isoformat(), "spec": spec.to_json(),
               "kind": "eval", "after": train.job_id, "argv": argv}
     if not slurm:  # the controller's pid may be reused after it exits
         record["process_token"] = process_token(int(job.job_id))
