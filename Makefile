@@ -5,7 +5,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-EXTRAS := dev,analysis,notebooks,track,launch,gpu
+EXTRAS := dev,analysis,notebooks,track,launch,gpu,eval
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -c "import torch, sys; sys.exit('a CUDA torch build was installed on a CPU-only machine' if torch.version.cuda and not torch.cuda.is_available() else 0)"
 	@touch $(STAMP)
 
+# The embedded demo checkpoint, then notebooks 01-05 executed headless (jobs/demo.py).
 demo: $(STAMP)
 	$(BIN)/python jobs/demo.py
 

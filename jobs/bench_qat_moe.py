@@ -9,7 +9,8 @@ Each timed step is what a training step does to the layer: an in-place update of
 per-expert amax is recomputed once per step, never served stale from the previous step, while
 the update itself costs nothing measurable), gradients reset, forward, backward. With
 `--optimizer` the update is a real AdamW step of the trainer's optimizer (workbench.train.optim,
-every recipe alike), which writes NVFP4 weights together with their per-expert amax; the table
+every recipe alike), wired to the layer's QATState as the trainer wires it, so it writes NVFP4
+weights together with their per-expert amax; the table
 then adds the forward + backward span alone (CUDA events, between the optimizer's last kernel and
 the backward's), and the 1.05x goal is judged on that span.
 Goals on Hopper: QAT within 1.05x of BF16 for NVFP4, NVFP4+MXFP8 and MXFP4+MXFP8 weights
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 
 from workbench.model.experts import GroupedExperts
-from workbench.qat import prepare
+from workbench.qat import QATState, prepare
 
 
 def main(argv=None) -> None:
@@ -98,11 +99,12 @@ def main(argv=None) -> None:
         m.experts = GroupedExperts(E, D, F, device=dev, dtype=wdtype)
         for p in m.parameters():
             torch.nn.init.normal_(p, std=0.02)
+        state = QATState() if recipe != "bf16" else None
         if recipe != "bf16":
-            prepare(m, recipe, _scope())
+            prepare(m, recipe, _scope(), state=state)
         xi = x.clone().requires_grad_()
         params = list(m.parameters())
-        opt = _optimizer(params) if args.optimizer else None
+        opt = _optimizer(m, state) if args.optimizer else None
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if dev == "cuda" else None
         events[recipe] = ev
 
@@ -235,11 +237,13 @@ def _breakdown(steps, reps: int = 5) -> dict:
     return out
 
 
-def _optimizer(params):
-    # the trainer's optimizer (an import of the trainer package only where it is asked for)
+def _optimizer(m, state):
+    # the trainer's optimizer (an import of the trainer package only where it is asked for),
+    # its amax sink connected to the layer's QATState as workbench.train.build connects it
     from workbench.train.optim import AdamW
 
-    return AdamW(params, lr=1e-5, weight_decay=0.01, foreach=False)
+    sink = state.optimizer_sink(m) if state is not None else None
+    return AdamW(m.parameters(), lr=1e-5, weight_decay=0.01, foreach=False, amax_sink=sink)
 
 
 def _host_profile(steps, sync, reps: int = 10) -> None:

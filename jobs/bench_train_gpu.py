@@ -119,9 +119,9 @@ def run_config(args, recipe: str, deterministic: bool, info, tokens, nan_fill: b
     b = build(cfg, info, resuming=True)
     b.model.load_state_dict(_INIT["sd"])
     if not fused and b.qat_report is not None:
-        # the same masters and optimizer, the down projection quantizing its input itself
+        # the same masters, optimizer and amax book, the down projection quantizing its input
         unprepare(b.model)
-        prepare(b.model, cfg.qat_recipe, QAT_SCOPE, fuse_swiglu=False)
+        prepare(b.model, cfg.qat_recipe, QAT_SCOPE, fuse_swiglu=False, state=b.qat_state)
     build_s = time.perf_counter() - t0
     flops_tok, n_active = model_flops_per_token(b.model, cfg.seq)
     recs = []

@@ -6,8 +6,10 @@
    experts, trained a few MXFP4 QAT steps by the workbench trainer, exported packed);
 2. runs ``01_inspect_checkpoint`` on it (per-expert error heatmaps, recipe comparison, picker);
 3. runs ``02_launch_qat`` (a BF16 baseline and an MXFP4+MXFP8 QAT run, EP4, local executor),
-   ``03_budgets`` on the runs it made (curves and budget verdicts) and ``04_compare`` on their
-   exports (QAT vs the BF16 baseline, expert by expert).
+   ``03_budgets`` on the runs it made (curves and budget verdicts), ``04_compare`` on their
+   exports (QAT vs the BF16 baseline, expert by expert) and ``05_expert_telemetry`` on the
+   per-expert statistics the QAT run recorded while it trained (error, load and code churn per
+   expert and step).
 Executed notebooks and figures land under ``--out``; the paths are printed at the end.
 """
 
@@ -66,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         # 02's exports fed straight into the comparison: QAT vs BF16 baseline, per expert
         done.append(run_notebook("04_compare.ipynb", out, {"group_dir": str(runs),
                                                            "out_dir": str(out / "compare")}))
+        # what the QAT run recorded per expert while it trained (the bf16 baseline records none)
+        done.append(run_notebook("05_expert_telemetry.ipynb", out, {"group_dir": str(runs)}))
     figs = sorted((out / "inspect").glob("*.png"))
     print("\nexecuted notebooks (open them in JupyterLab):")
     for p in done:

@@ -1,18 +1,19 @@
-"""QAT training job: a thin wrapper over `workbench.train.cli.main` (see its --help).
+"""QAT training job for torchrun: a thin wrapper over `workbench.train.cli` (see its --help).
 
     torchrun --nproc-per-node 4 jobs/qat.py --preset tiny --recipe mxfp4 --steps 20 --out runs/x
-    python jobs/qat.py --preset tiny --recipe bf16 --steps 20 --out runs/y      # one process
+    torchrun --nproc-per-node 4 -m workbench.train.cli ...        # the same, without this file
+    workbench train --preset tiny --recipe bf16 --steps 20 --out runs/y      # one process
+
+`workbench` is imported as installed (`pip install -e .`, or PYTHONPATH for another checkout).
 """
 
 import os
-import sys
 
+# torchao (an optional dependency transformers may import) skips its compiled extensions, which
+# are built for another torch.
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from workbench.train.cli import cli
-from workbench.train.distributed import exit_process
+from workbench.train.cli import console
 
 if __name__ == "__main__":
-    cli()  # main(), with a refused resume or a bad checkpoint as one line and exit code 2
-    exit_process(0)  # without finalisation while gloo threads are alive (FSDP): see its docstring
+    console(prog="jobs/qat.py")

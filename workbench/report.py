@@ -25,8 +25,37 @@ from workbench.track.experts import export_path, group_weight_recipes
 
 __all__ = [
     "compare_figures", "exact_recipes", "expert_picker", "group_sides", "inspect_figures",
-    "lossless_lines", "picker_choices", "save_figures", "write_compare_report",
+    "lossless_lines", "picker_choices", "save_figures", "source_lines", "write_compare_report",
 ]
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def source_lines(ck, reference=None, select=None, *, names=("checkpoint", "reference")
+                 ) -> list[str]:
+    """Summary lines saying what each checkpoint resolved to (folder, hub id and commit, URL),
+    which layers / experts were read, and, for remote ones, how many bytes came over the
+    network and from the range cache."""
+    lines = []
+    for name, c in zip(names, (ck, reference)):
+        if c is None:
+            continue
+        src = getattr(c, "source", None)
+        if src is not None:
+            lines.append(f"{name} {src.describe()}")
+        st = getattr(c, "fetch_stats", None)
+        if st is not None:
+            lines.append(f"{name} fetched {_bytes(st.fetched)} in {st.requests} requests "
+                         f"({st.retries} retried), {_bytes(st.cached)} from the range cache")
+    if select is not None and not select.everything:
+        lines.append(f"selection: {select}")
+    return lines
 
 
 def exact_recipes(df, metric: str = "rel_err", kind: str = "routed") -> list[str]:

@@ -27,8 +27,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository's workbench
 
-from workbench.formats import parse_recipe  # noqa: E402
-from workbench.qat import ste  # noqa: E402
+from workbench.qat import QATState  # noqa: E402
 from workbench.train.optim import AdamW  # noqa: E402
 
 
@@ -65,43 +64,33 @@ def run(dtype, contract, args):
     shape = (args.experts, args.rows, args.cols)
     w = nn.Parameter(_stack(dtype, *shape).cuda())
     ref_w = nn.Parameter(_stack(dtype, *shape).cuda())
+    # the trainer's wiring: the amax book wants w's per-expert amax, the optimizer's sink fills it
+    holder = nn.Module()
+    holder.w = w
+    state = QATState()
+    state.want("w")
     # whole_step=False: the last-op kernel for fp32 too (the whole step has its own sweep)
     ours = AdamW([w], lr=1e-2, weight_decay=0.1, foreach=False, contract=contract,
-                 whole_step=False)
+                 whole_step=False, amax_sink=state.optimizer_sink(holder))
     ref = torch.optim.AdamW([ref_w], lr=1e-2, weight_decay=0.1, foreach=False)
-    recipe = parse_recipe("nvfp4:torchao")
-    calls = []
-    real = ste._compute_amax
-
-    def counting(x, fast):
-        calls.append(1)
-        return real(x, fast)
-
-    ste._compute_amax = counting
-    try:
-        ste.fake_quant_ste(w, recipe, per_leading=True)  # asks for w's amax: the fused path
-        p = m = v = nanp = 0
-        amax_ok = True
-        for step in range(args.steps):
-            w.grad, ref_w.grad = _grad(dtype, shape, step), _grad(dtype, shape, step)
-            ours.step()
-            ref.step()
-            d, n = _diff(w.detach(), ref_w.detach())
-            p, nanp = p + d, nanp + n
-            m += sum(_diff(ours.state[w]["exp_avg"], ref.state[ref_w]["exp_avg"]))
-            v += sum(_diff(ours.state[w]["exp_avg_sq"], ref.state[ref_w]["exp_avg_sq"]))
-            before = len(calls)
-            seeded = ste.expert_amax(w)
-            fused = len(calls) == before  # served from the seed
-            want = w.detach().abs().amax(dim=(-2, -1), keepdim=True).float()
-            amax_ok &= fused and torch.equal(seeded.view(torch.int32), want.view(torch.int32))
-            # the runs go on from torch's params, so each step's count is that step's rounding
-            with torch.no_grad():
-                w.copy_(ref_w)
-            ste.fake_quant_ste(w, recipe, per_leading=True)
-        torch.cuda.synchronize()
-    finally:
-        ste._compute_amax = real
+    p = m = v = nanp = 0
+    amax_ok = True
+    for step in range(args.steps):
+        w.grad, ref_w.grad = _grad(dtype, shape, step), _grad(dtype, shape, step)
+        ours.step()
+        ref.step()
+        d, n = _diff(w.detach(), ref_w.detach())
+        p, nanp = p + d, nanp + n
+        m += sum(_diff(ours.state[w]["exp_avg"], ref.state[ref_w]["exp_avg"]))
+        v += sum(_diff(ours.state[w]["exp_avg_sq"], ref.state[ref_w]["exp_avg_sq"]))
+        seeded = state.amax("w", w)  # None unless the fused path wrote it for these values
+        want = w.detach().abs().amax(dim=(-2, -1), keepdim=True).float()
+        amax_ok &= seeded is not None and torch.equal(seeded.view(torch.int32),
+                                                      want.view(torch.int32))
+        # the runs go on from torch's params, so each step's count is that step's rounding
+        with torch.no_grad():
+            w.copy_(ref_w)
+    torch.cuda.synchronize()
     print(f"{str(dtype):15s} CONTRACT={contract!s:5s}  params {p:7d} (NaN payloads {nanp})  "
           f"exp_avg {m}  exp_avg_sq {v}  seeded amax exact: {amax_ok}", flush=True)
     return p == 0 and m == 0 and v == 0, amax_ok

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The two-GPU expert-parallel QAT protocol (issue 9), end to end in one command:
+# The two-GPU expert-parallel QAT protocol, end to end in one command:
 #   1. write a packed MXFP4 (compressed-tensors) checkpoint of a preset with real expert shapes
 #   2. BF16 run, EP2, --init from that checkpoint through the DCP reader (per-rank load memory
 #      probed first), N steps, DCP checkpoint

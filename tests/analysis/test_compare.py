@@ -54,8 +54,7 @@ def test_each_side_against_the_reference_and_the_verdicts(ckpts):
         assert row.change_pct == pytest.approx(100 * row.delta / row.b_rel_err)
     # FLOOR clips every block with amax in (6, 8) * 2^k; EVEN rounds those up: A is better
     assert (routed.verdict == "improved").sum() > len(routed) // 2
-    expect = ["improved" if c < -1 else ("worse" if c > 1 else "same") for c in t.change_pct]
-    assert list(t.verdict) == expect
+    # the verdict rule itself, at and around the tolerance: test_compare_verdict.py (hand-built)
     assert r.counts()["improved"] == int((routed.verdict == "improved").sum())
     assert not r.identical and "improved" in r.summary()
     assert len(repr(r)) < 200 and "weights" in repr(r)

@@ -9,6 +9,7 @@ per expert vs fp32 BLAS dots), so they may differ in the last digits (1e-5 relat
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -307,30 +308,28 @@ def test_a_plan_prints_what_runs_and_why(tmp_path):
     assert "cuda tensors" in str(gpu)
 
 
-def test_shards_that_are_not_local_take_the_reference_path(tmp_path):
-    """The stack readers read local shard files: a checkpoint whose index says its shards are
-    elsewhere gets the reference path from "auto", and a clear error when the batched path is
-    asked for."""
+def _remote(ck):
+    """``ck`` as a checkpoint whose shards are not all local says it is (``is_local`` false):
+    the plan's view of a remote folder (tests/checkpoint/test_remote_read.py reads a real one)."""
+    view = copy.copy(ck)
+    view.__class__ = type("RemoteView", (type(ck),), {"is_local": property(lambda self: False)})
+    return view
+
+
+def test_shards_that_are_not_local_are_read_by_preadv(tmp_path):
+    """A checkpoint whose shards are read by byte ranges gets the preadv reader, whatever was
+    asked for, and the plan says why; either side of question 2 counts."""
     mx, bf16 = _small_ckpts(tmp_path)
-    mx.index.local = False  # what an index of remote shards says
-    p = analysis.plan("stored_vs_recipes", mx, ["mxfp4:floor"], device="cpu")
-    assert p.path == "reference" and "not local" in p.why
-    with pytest.raises(ValueError, match="not local"):
-        analysis.plan("stored_vs_recipes", mx, ["mxfp4:floor"], path="batched")
-    assert analysis.plan("reference_errors", bf16, mx).path == "reference"  # either side
-    assert analysis.plan("candidate_errors", bf16, ["mxfp4"], device="cpu").path == "batched"
-
-
-def test_reference_lacking_a_weight_is_named(tmp_path):
-    """Question 2 with a reference that lacks one of the checkpoint's weights: a ValueError
-    naming the reference and the weight, on every path."""
-    sd = moe_weights(layers=2, experts=4, hidden=96, ffn=64)
-    mx = open_checkpoint(write_mxfp4(tmp_path / "mx", sd, "mxfp4:ceil"))
-    sd.pop("model.layers.1.mlp.experts.2.down_proj.weight")
-    ref = open_checkpoint(write_dense(tmp_path / "bf16", sd))
-    for path in ("reference", "batched"):
-        with pytest.raises(ValueError, match=r"bf16 lacks 1 weights .*'L1\.routed\.E2\.down'"):
-            reference_errors(mx, ref, progress=False, path=path)
+    remote = _remote(mx)
+    for reader in ("auto", "window"):
+        p = analysis.plan("stored_vs_recipes", remote, ["mxfp4:floor"], device="cuda",
+                          reader=reader)
+        assert p.reads.reader == "preadv" and p.reader_why == plans.REMOTE_WHY, p
+    p = analysis.plan("stored_vs_recipes", remote, ["mxfp4:floor"], reader="safetensors")
+    assert p.reads.reader == "safetensors"  # reads ranges per tensor too: kept when asked for
+    assert analysis.plan("reference_errors", bf16, remote, device="cuda").reads.reader == "preadv"
+    assert analysis.plan("stored_vs_recipes", mx, ["mxfp4"], device="cuda").reads.reader == \
+        "window"
 
 
 @pytest.mark.parametrize("setting, device, reader", [

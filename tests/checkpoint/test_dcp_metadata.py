@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
+import uuid
 import warnings
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
 from workbench.checkpoint.dcp_metadata import (
@@ -88,6 +91,62 @@ def test_crafted_metadata_is_refused_and_runs_nothing(ckpt, kind):
     assert Metadata.__eq__ is eq
 
 
+@pytest.fixture
+def importable(tmp_path, monkeypatch):
+    """(name, marker): a module of a fresh name, in a folder put on `sys.path` for this test,
+    whose top-level code writes `marker` when it is imported."""
+    site = tmp_path / "site"
+    site.mkdir()
+    name = f"wb_marker_{uuid.uuid4().hex}"
+    marker = tmp_path / f"{name}.imported"
+    (site / f"{name}.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('imported')\nVALUE = 7\n")
+    monkeypatch.syspath_prepend(str(site))  # restored after the test, import caches cleared
+    yield name, marker
+    sys.modules.pop(name, None)
+
+
+def _global_only(module: str, name: str) -> bytes:
+    """A pickle whose only opcode is GLOBAL `module.name` (then STOP): unpickling it imports
+    `module`, running its top-level code, before any check of what it returns."""
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n."
+
+
+def test_the_crafted_global_imports_its_module_under_plain_pickle(importable):
+    """The attack below is real: `pickle.loads` of those bytes runs the module's code."""
+    name, marker = importable
+    assert pickle.loads(_global_only(name, "VALUE")) == 7
+    assert marker.read_text() == "imported"
+
+
+def _dcp_load(path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load({"w": torch.empty(4, 6)}, storage_reader=SafeFileSystemReader(path),
+                 no_dist=True)
+
+
+@pytest.mark.parametrize("what", ["module-import", "os.system"])
+def test_a_global_outside_the_allow_list_is_refused_before_its_module_is_imported(
+        ckpt, importable, what):
+    """The allow-list of globals is the only guard against a `.metadata` that imports a module:
+    no later check can undo an import that already ran its code."""
+    path, _ = ckpt
+    name, marker = importable
+    data = _global_only(name, "VALUE") if what == "module-import" else b"cos\nsystem\n."
+    (path / ".metadata").write_bytes(data)
+    # the reader the trainer's resume calls first, then DCP's own load through it (which wraps
+    # the reader's error in its CheckpointException)
+    for read in (lambda: load_metadata(path), SafeFileSystemReader(path).read_metadata):
+        with pytest.raises(UnsafeMetadataError, match="not a DCP metadata type") as ei:
+            read()
+        assert ei.value.path == str(path / ".metadata")
+    with pytest.raises(CheckpointException, match="refused, not unpickled further"):
+        _dcp_load(path)
+    assert not marker.exists()
+    assert name not in sys.modules
+
+
 def test_a_pickled_object_entry_is_refused_for_tensor_only_checkpoints(ckpt):
     """DCP's default planner torch.load(weights_only=False)s BytesStorageMetadata entries."""
     path, _ = ckpt
@@ -109,7 +168,7 @@ def test_a_pickled_object_entry_is_refused_for_tensor_only_checkpoints(ckpt):
 def test_storage_entries_stay_inside_the_folder_and_the_file(ckpt, damage, match):
     path, _ = ckpt
     md = load_metadata(path)
-    key, info = next(iter(md.storage_data.items()))
+    info = next(iter(md.storage_data.values()))
     if damage == "escape":
         info.relative_path = "../outside.distcp"
     elif damage == "absolute":

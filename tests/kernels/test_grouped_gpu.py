@@ -71,15 +71,18 @@ def test_ste_dispatch_uses_triton_and_matches_reference(caplog):
     assert_same_bits(_fq(x.cuda(), r, 0, False).cpu(), fake_quant_reference(x, r, dim=0), "dim 0")
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "mxfp4+mxfp8", "nvfp4", "nvfp4+mxfp8"])
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp4+mxfp8", "nvfp4", "nvfp4+mxfp8",
+                                    "nvfp4+book"])
 def test_expert_layer_never_waits_for_the_host(recipe):
     """With the routed row count given (as the dispatchers give it), a prepared expert layer's
     forward and backward run without one host-device sync (CUDA's sync debug mode raises on
-    any), and give the same output as the syncing call."""
+    any), and give the same output as the syncing call; "+book": the NVFP4 amax from the
+    trainer's amax book (`QATState`), as after an optimizer step."""
     from torch import nn
 
+    from workbench import kernels
     from workbench.model.experts import GroupedExperts
-    from workbench.qat import prepare
+    from workbench.qat import QATState, expert_amax, prepare
     from workbench.scope import QuantScope
 
     torch.manual_seed(0)
@@ -87,11 +90,16 @@ def test_expert_layer_never_waits_for_the_host(recipe):
     m.experts = GroupedExperts(4, 256, 128, device="cuda", dtype=torch.bfloat16)
     for p in m.parameters():
         nn.init.normal_(p, std=0.05)
+    state = QATState() if recipe.endswith("+book") else None
     if recipe != "bf16":
-        prepare(m, recipe, QuantScope.from_patterns(["re:experts$"]))
+        prepare(m, recipe.removesuffix("+book"), QuantScope.from_patterns(["re:experts$"]),
+                state=state)
+    if state is not None:
+        for n, p in m.named_parameters():
+            state.put(n, p, expert_amax(p, kernels))
     offs = torch.tensor([64, 64, 200, 256], dtype=torch.int32, device="cuda")
     x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    ref = m.experts(x, offs).detach()  # warm-up: autotuning, allocations, the amax cache
+    ref = m.experts(x, offs).detach()  # warm-up: autotuning, allocations
     m.experts(x, offs, end=256).sum().backward()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -119,7 +127,6 @@ def test_fp32_masters_under_autocast_are_fake_quantized_into_bf16(weight, act, m
     offs = torch.arange(1, E + 1, device="cuda", dtype=torch.int32) * n
 
     def run():
-        ste.clear_amax_cache()
         x, w = x0.clone().requires_grad_(), torch.nn.Parameter(w0.clone())
         outs = []
         h = ste.register_fake_quant_hook(lambda call, t: outs.append(call()) or outs[-1])

@@ -19,8 +19,7 @@ import workbench.qat.grouped as qg
 from workbench import kernels as K
 from workbench.formats import fake_quantize, parse_recipe
 from workbench.model.experts import GroupedExperts
-from workbench.qat import prepare, unprepare
-from workbench.qat.prepare import SwigluSeam
+from workbench.qat import QATExpertGemms, prepare, unprepare
 from workbench.scope import QuantScope
 
 from .inputs import assert_same_bits, gaussian, specials
@@ -193,7 +192,7 @@ def test_fused_layer_is_the_unfused_layer_bit_for_bit(recipe, masters, device, m
     x = (torch.randn(64, 64, generator=gen) * 2).bfloat16().to(device)
     dy = torch.randn(64, 64, generator=gen).bfloat16().to(device)
     prepare(m, recipe, SCOPE)
-    assert isinstance(m.experts.swiglu, SwigluSeam)
+    assert isinstance(m.experts.gemms, QATExpertGemms) and m.experts.gemms.fuse_act
     calls = _counting(monkeypatch)
     seen = []
     if not GPU:
@@ -237,33 +236,38 @@ def test_down_projection_takes_the_fused_output_as_it_is(monkeypatch):
     assert calls == {"fake_quantize": 4, "silu_mul_fake_quantize": 1}
 
 
-def test_fused_output_is_recognised_only_unchanged(fused_anywhere, device):
-    """The mark that lets the down projection skip the quantization holds for the fused output
-    as it came out: after an in-place write, or for another recipe, it is quantized anew."""
-    A = parse_recipe("mxfp8_e4m3")
-    g, u = _operands(device)
-    q = qg.swiglu(g, u, act=A)
-    assert qg._shared_act_fq(q, A) is q
-    assert qg._shared_act_fq(q, parse_recipe("mxfp8_e5m2")) is not q
-    q2 = qg.swiglu(g, u, act=A)
-    q2.mul_(3.0)
-    again = qg._shared_act_fq(q2, A)
-    assert again is not q2 and torch.equal(again, fake_quantize(q2, A))
-
-
-def test_seam_is_installed_for_activation_recipes_and_removed_by_unprepare():
-    m = _layer("cpu")
-    plain = m.experts.swiglu
-    prepare(m, "mxfp4", SCOPE)  # weights only: nothing to fuse
-    assert m.experts.swiglu is plain
-    unprepare(m)
+def test_only_the_plain_swiglu_is_fused(fused_anywhere, device, monkeypatch):
+    """The seam fuses only `act is swiglu`: another activation, even one computing the same
+    values, runs as given and the down projection quantizes its output (the same bits here)."""
+    m = _layer(device)
     prepare(m, "mxfp4+mxfp8", SCOPE)
-    assert isinstance(m.experts.swiglu, SwigluSeam)
+    offs = torch.tensor([16, 32, 48, 64], dtype=torch.int32, device=device)
+    x = (torch.randn(64, 64, generator=torch.Generator().manual_seed(2)) * 2).bfloat16().to(device)
+    calls = _counting(monkeypatch)
+    with torch.no_grad():
+        fused = m.experts(x, offs, end=64)
+        assert calls["silu_mul_fake_quantize"] == 1
+        m.experts.act = lambda g, u: F.silu(g) * u  # not the module's swiglu object
+        other = m.experts(x, offs, end=64)
+    assert calls["silu_mul_fake_quantize"] == 1
+    if GPU:  # the interpreter's silu may differ from torch's CPU one by an ulp
+        assert_same_bits(fused.cpu(), other.cpu(), "fused vs another activation")
+
+
+def test_seam_is_installed_by_prepare_and_put_back_by_unprepare():
+    m = _layer("cpu")
+    plain = m.experts.gemms
+    prepare(m, "mxfp4", SCOPE)  # weights only: nothing to fuse
+    assert isinstance(m.experts.gemms, QATExpertGemms) and m.experts.gemms.act is None
     unprepare(m)
-    assert m.experts.swiglu is plain
+    assert m.experts.gemms is plain
+    prepare(m, "mxfp4+mxfp8", SCOPE)
+    assert m.experts.gemms.fuse_act and m.experts.gemms.plain is plain
+    unprepare(m)
+    assert m.experts.gemms is plain
     prepare(m, "mxfp4+mxfp8", SCOPE, fuse_swiglu=False)  # the A/B's unfused side
-    assert m.experts.swiglu is plain
+    assert not m.experts.gemms.fuse_act
     unprepare(m)
-    # CPU without the interpreter's help: the plain SwiGLU, and the down projection quantizes
+    # CPU without the interpreter's help: no fused kernel, the down projection quantizes
     g, u = _operands("cpu")
-    assert torch.equal(qg.swiglu(g, u, act="mxfp8_e4m3"), F.silu(g) * u)
+    assert qg._fused_kernels(g, u, parse_recipe("mxfp8_e4m3")) is None

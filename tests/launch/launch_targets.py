@@ -1,6 +1,6 @@
 """Small real distributed functions run inside submitit jobs by the launch tests.
 
-Each takes the trainer argv (`--out DIR --steps N --seed S ...`, see LaunchSpec.trainer_argv) and
+Each takes the job argv (`--out=DIR --steps=N --seed=S ...`, see LaunchSpec.job_argv) and
 runs in every rank of the job with the process group the launch layer set up. They are imported
 by the job through LaunchSpec.pythonpath (this folder).
 

@@ -45,9 +45,9 @@ def _curve_matches(job: JobHandle, ref: JobHandle) -> None:
 @pytest.mark.parametrize("ep, dp", [(2, 2), (4, 1)], ids=["ep2xfsdp2", "ep4+fsdp"])
 def test_world4_fsdp_on_slurm_retraces_ep4(slurm_cluster, local_ep4, tmp_path, ep, dp):
     spec = _qat(tmp_path, f"ep{ep}x{dp}", ep=ep, dp=dp, fsdp=True)
-    assert (spec.nodes, spec.tasks_per_node, spec.world_size) == (1, 4, 4)
-    argv = spec.trainer_argv(tmp_path)
-    assert argv[argv.index("--ep") + 1] == str(ep) and "--fsdp" in argv
+    assert (spec.resources.nodes, spec.resources.tasks_per_node, spec.world_size) == (1, 4, 4)
+    argv = spec.job_argv()
+    assert f"--ep={ep}" in argv and "--fsdp" in argv
     job = submit(spec)
     assert job.wait(timeout=WAIT_S) == "COMPLETED", job.log_tail(40)
     assert job.result()["world_size"] == 4
@@ -57,7 +57,8 @@ def test_world4_fsdp_on_slurm_retraces_ep4(slurm_cluster, local_ep4, tmp_path, e
 @pytest.mark.slurm
 def test_world8_ep4x2_fsdp_over_two_nodes_retraces_ep4(slurm_cluster, local_ep4, tmp_path):
     job = submit(_qat(tmp_path, "ep4x2", preset_fn=ep4x2_fsdp))
-    assert (job.spec.nodes, job.spec.tasks_per_node, job.spec.ep, job.spec.dp) == (2, 4, 4, 2)
+    assert (job.spec.resources.nodes, job.spec.resources.tasks_per_node, job.spec.ep,
+            job.spec.dp) == (2, 4, 4, 2)
     assert job.wait(timeout=WAIT_S) == "COMPLETED", job.log_tail(40)
     assert job.result()["world_size"] == 8
     # Ranks 0-3 (EP group 0) on the first node, 4-7 (EP group 1) on the second.

@@ -61,9 +61,10 @@ _CANCEL_SCENARIO = textwrap.dedent("""
 
     assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # as in `cmd &` from a script
     run = Path(sys.argv[1])
-    job = submit(LaunchSpec(target="launch_targets:sleeper", stop_hook="launch_targets:request_stop",
-                            pythonpath=(sys.argv[2],), folder=run, wandb="disabled", time_min=10,
-                            ep=1))
+    job = submit(LaunchSpec.build(target="launch_targets:sleeper",
+                                  stop_hook="launch_targets:request_stop",
+                                  pythonpath=(sys.argv[2],), folder=run, wandb="disabled",
+                                  time_min=10, ep=1))
     end = time.monotonic() + 120
     while not any(Path(f"/proc/{p}/cmdline").read_bytes().find(b"submitit.core._submit") >= 0
                   for p in _descendants(int(job.job_id)) if Path(f"/proc/{p}").exists()):
@@ -107,7 +108,7 @@ def test_cancel_reaches_the_tasks_when_sigint_is_ignored(tmp_path, launch_index)
 # --- damaged and crafted launch records --------------------------------------------------------
 
 def _record(tmp_path: Path, **over) -> dict:
-    spec = LaunchSpec(folder=tmp_path / "run", wandb="disabled")
+    spec = LaunchSpec.build(folder=tmp_path / "run", wandb="disabled")
     rec = {"format": FORMAT, "executor": "local", "job_id": "4242",
            "run_folder": str(tmp_path / "run"), "submitit_folder": str(tmp_path / "run/submitit"),
            "spec": spec.to_json()}
@@ -201,12 +202,13 @@ def test_a_reused_pid_is_not_the_job(tmp_path):
 ])
 def test_spec_keys_are_validated_as_names(kwargs, words):
     with pytest.raises(LaunchSpecError, match=words):
-        LaunchSpec(**kwargs)
+        LaunchSpec.build(**kwargs)
 
 
 def test_valid_spec_keys_pass():
-    s = LaunchSpec(env={"MY_VAR_1": "a b", "_X": "1"}, sbatch={"qos": "high", "mail-type": "END"})
-    assert dict(s.env) == {"MY_VAR_1": "a b", "_X": "1"}
+    s = LaunchSpec.build(env={"MY_VAR_1": "a b", "_X": "1"},
+                         sbatch={"qos": "high", "mail-type": "END"})
+    assert dict(s.resources.env) == {"MY_VAR_1": "a b", "_X": "1"}
 
 
 # --- Slurm queries during a daemon restart ------------------------------------------------------

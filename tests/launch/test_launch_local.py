@@ -14,13 +14,13 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 def _spec(targets_path, tmp_path, target, **kw):
     kw = {"folder": tmp_path / "run", "wandb": "disabled", "time_min": 10, **kw}
-    return LaunchSpec(target=f"launch_targets:{target}", stop_hook="launch_targets:request_stop",
-                      pythonpath=targets_path, **kw)
+    return LaunchSpec.build(target=f"launch_targets:{target}",
+                            stop_hook="launch_targets:request_stop", pythonpath=targets_path, **kw)
 
 
 def test_local_ranks_all_reduce(targets_path, tmp_path):
     job = submit(_spec(targets_path, tmp_path, "rank_info", ep=2))
-    assert job.spec.executor == "local"
+    assert job.spec.resources.executor == "local"
     assert job.wait(timeout=120) == "COMPLETED", job.log_tail(30)
     ranks = job.result()["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and [r["local_rank"] for r in ranks] == [0, 1]
@@ -40,7 +40,7 @@ def test_local_cancel(targets_path, tmp_path):
 def test_local_preemption_requeues_and_resumes(targets_path, tmp_path):
     steps = 16
     job = submit(_spec(targets_path, tmp_path, "counting_loop", ep=2, steps=steps,
-                       trainer_args=("--step-s", "0.3")))
+                       target_args=("--step-s", "0.3")))
     end = time.monotonic() + 120
     while len(job.metrics()) < 3:
         assert time.monotonic() < end and job.state == "RUNNING", job.log_tail(30)
@@ -63,7 +63,7 @@ def test_stop_during_start_up_is_not_lost(targets_path, tmp_path):
     """USR2 while the target is still starting (and then resets its flag, as the trainer's main
     does) must still stop the run at its first step boundary and requeue it."""
     job = submit(_spec(targets_path, tmp_path, "counting_loop", ep=2, steps=6,
-                       trainer_args=("--start-s", "4", "--step-s", "0.2")))
+                       target_args=("--start-s", "4", "--step-s", "0.2")))
     end = time.monotonic() + 120
     while not all((job.folder / f"starting{r}").exists() for r in (0, 1)):
         assert time.monotonic() < end and job.state == "RUNNING", job.log_tail(30)
@@ -79,7 +79,7 @@ def test_time_limit_requeues_until_the_budget_is_spent(targets_path, tmp_path):
     """USR2 `signal_delay_s` before the time limit: checkpoint and requeue, counted against
     max_requeues; once none are left the job ends FAILED instead of requeueing forever."""
     job = submit(_spec(targets_path, tmp_path, "counting_loop", ep=2, steps=10_000, time_min=1,
-                       signal_delay_s=35, max_requeues=1, trainer_args=("--step-s", "0.2")))
+                       signal_delay_s=35, max_requeues=1, target_args=("--step-s", "0.2")))
     assert job.wait(timeout=240) == "FAILED", job.log_tail(30)
     log = job.log_tail(400, rank=0)
     assert log.count("checkpoint saved (time limit)") == 1, log

@@ -34,4 +34,4 @@ def test_launch_notebook_runs_two_recipes(tmp_path):
         job = JobHandle.attach(folder)
         assert job.state == "COMPLETED"
         assert job.metrics()["step"].tolist() == list(range(1, 7))
-        assert job.result()["recipe"] == job.spec.recipe
+        assert job.result()["recipe"] == job.spec.train.recipe

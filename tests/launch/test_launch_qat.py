@@ -43,7 +43,7 @@ def _curve_matches(job: JobHandle, ref: JobHandle) -> None:
 def test_local_executor_ep4_qat_completes(local_run):
     job, state = local_run
     assert state == "COMPLETED", job.log_tail(40)
-    assert job.spec.executor == "local"
+    assert job.spec.resources.executor == "local"
     res = job.result()
     assert (res["world_size"], res["step"], res["stopped"]) == (4, STEPS, False)
     assert res["recipe"] == "mxfp4"
@@ -59,7 +59,8 @@ def test_local_executor_ep4_qat_completes(local_run):
 def test_ep4_qat_on_slurm_retraces_local(slurm_cluster, local_run, tmp_path):
     ref, _ = local_run
     job = submit(_qat(tmp_path, "ep4"))
-    assert (job.spec.executor, job.spec.nodes, job.spec.tasks_per_node) == ("slurm", 1, 4)
+    assert (job.spec.resources.executor, job.spec.resources.nodes,
+            job.spec.resources.tasks_per_node) == ("slurm", 1, 4)
     assert job.wait(timeout=WAIT_S) == "COMPLETED", job.log_tail(40)
     assert job.result()["world_size"] == 4
     _curve_matches(job, ref)
@@ -69,7 +70,7 @@ def test_ep4_qat_on_slurm_retraces_local(slurm_cluster, local_run, tmp_path):
 def test_ep8_qat_over_two_nodes_retraces_local(slurm_cluster, local_run, tmp_path):
     ref, _ = local_run
     job = submit(_qat(tmp_path, "ep8", preset_fn=ep8))
-    assert (job.spec.nodes, job.spec.tasks_per_node) == (2, 4)
+    assert (job.spec.resources.nodes, job.spec.resources.tasks_per_node) == (2, 4)
     assert job.wait(timeout=WAIT_S) == "COMPLETED", job.log_tail(40)
     assert job.result()["world_size"] == 8
     assert "rank 0/8 local_rank 0 on n1" in job.log_tail(400, rank=0)
@@ -110,7 +111,7 @@ def test_outside_requeue_restarts_the_trainer_with_resume(slurm_cluster, local_r
     from workbench.train.checkpointing import list_complete
 
     ref, _ = local_run
-    job = submit(_qat(tmp_path, "requeue", trainer_args=("--ckpt-every", "2")))
+    job = submit(_qat(tmp_path, "requeue", ckpt_every=2))
     end = time.monotonic() + WAIT_S
     while not list_complete(job.folder):
         assert time.monotonic() < end and job.state in {"PENDING", "RUNNING"}, job.log_tail(40)

@@ -16,11 +16,11 @@ import pytest
 from workbench.launch import LaunchSpec, ep4, submit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
-from realdata import corpus_texts, model_with_tokenizer, write_jsonl  # noqa: E402
+from realdata import corpus_texts, model_with_tokenizer, write_jsonl
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 STEPS, WAIT_S = 4, 540
-ARGS = ("--batch", "4", "--seq", "32", "--lr", "1e-3", "--val-every", "2")
+ARGS = {"batch": 4, "seq": 32, "lr": 1e-3, "val_every": 2}
 
 
 @pytest.fixture(scope="module")
@@ -32,17 +32,17 @@ def real(tmp_path_factory):
             "val": write_jsonl(root / "val.jsonl", texts[170:])}
 
 
-def _spec(real, folder, make=LaunchSpec, **kw) -> LaunchSpec:
+def _spec(real, folder, make=LaunchSpec.build, **kw) -> LaunchSpec:
     return make(preset=None, init=real["model"], data=[real["train"]], val_data=[real["val"]],
                 distill=True, recipe="mxfp4", steps=STEPS, seed=1, wandb="disabled", time_min=20,
-                folder=folder, trainer_args=ARGS, **kw)
+                folder=folder, **ARGS, **kw)
 
 
 @pytest.mark.slurm
 def test_real_checkpoint_distill_on_slurm_ep4_retraces_local_ep1(slurm_cluster, real, tmp_path):
     local = submit(_spec(real, tmp_path / "ep1", executor="local", ep=1))
     slurm = submit(_spec(real, tmp_path / "ep4", make=ep4, export="compressed-tensors"))
-    assert (slurm.spec.executor, slurm.spec.tasks_per_node) == ("slurm", 4)
+    assert (slurm.spec.resources.executor, slurm.spec.resources.tasks_per_node) == ("slurm", 4)
     assert local.wait(timeout=WAIT_S) == "COMPLETED", local.log_tail(40)
     assert slurm.wait(timeout=WAIT_S) == "COMPLETED", slurm.log_tail(40)
     assert slurm.result()["world_size"] == 4

@@ -16,9 +16,9 @@ WAIT_S = 240
 
 
 def _spec(targets_path, tmp_path, target, **kw):
-    return LaunchSpec(executor="slurm", folder=tmp_path / "run", wandb="disabled", time_min=10,
-                      target=f"launch_targets:{target}", stop_hook="launch_targets:request_stop",
-                      pythonpath=targets_path, **kw)
+    return LaunchSpec.build(executor="slurm", folder=tmp_path / "run", wandb="disabled",
+                            time_min=10, target=f"launch_targets:{target}",
+                            stop_hook="launch_targets:request_stop", pythonpath=targets_path, **kw)
 
 
 @pytest.mark.parametrize("nodes,tpn", [(1, 4), (2, 2)])
@@ -68,6 +68,6 @@ def test_sweep_is_one_array_that_finishes(slurm_cluster, targets_path, tmp_path)
     assert [j.wait(timeout=WAIT_S) for j in jobs] == ["COMPLETED"] * 3
     assert [j.result()["seed"] for j in jobs] == [0, 1, 2]
     assert len({j.folder for j in jobs}) == 3
-    assert {j.spec.run_group for j in jobs} == {"run"}  # the sweep folder's name
+    assert {j.spec.train.run_group for j in jobs} == {"run"}  # the sweep folder's name
     assert JobHandle.attach(jobs[2].job_id).folder == jobs[2].folder
 

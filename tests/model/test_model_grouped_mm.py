@@ -70,19 +70,26 @@ def test_a_wrong_end_is_refused(end, err):
 def test_dispatchers_pass_the_routed_row_count_as_end():
     """The experts' GEMMs get end = offs[-1] = the rows they see, so on CUDA they never read
     offs on the host (workbench.model.grouped)."""
-    from workbench.model import MoEForCausalLM, preset
-    from workbench.model import grouped as plain
+    from workbench.model import GroupedExperts, MoEForCausalLM, preset
+    from workbench.model.experts import ExpertGemms
 
     model = MoEForCausalLM(preset("tiny"), seed=0)
     seen = []
 
-    def spy(x, w, offs, *, end=None):
-        seen.append((end, int(offs[-1]), x.shape[0]))
-        return plain.grouped_mm(x, w, offs, end=end)
+    class Spy(ExpertGemms):  # a seam of its own, as QAT's replaces the default
+        def gate_up(self, x, w1, w3, offs, *, end=None):
+            seen.append((end, int(offs[-1]), x.shape[0]))
+            return super().gate_up(x, w1, w3, offs, end=end)
+
+        def down(self, g, u, w2, offs, *, act, end=None):
+            seen.append((end, int(offs[-1]), g.shape[0]))
+            return super().down(g, u, w2, offs, act=act, end=end)
 
     for m in model.modules():
-        if hasattr(m, "grouped_mm") and hasattr(m, "w1"):
-            m.grouped_mm = spy
+        if isinstance(m, GroupedExperts):
+            m.gemms = Spy()
     tok = torch.randint(0, model.config.vocab_size, (2, 16))
     model(tok, labels_BS=tok).loss.backward()
-    assert seen and all(e == last == rows for e, last, rows in seen), seen
+    n_layers = sum(isinstance(m, GroupedExperts) for m in model.modules())
+    assert n_layers and len(seen) == 2 * n_layers  # the forward's two seam calls per layer
+    assert all(e == last == rows for e, last, rows in seen), seen

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from workbench.formats import fake_quantize, parse_recipe
-from workbench.qat import fake_quant_ste, grouped_mm, prepare
+from workbench.qat import fake_quant_ste, grouped_mm, prepare, register_fake_quant_hook
 from workbench.scope import QuantScope
 
 W, A = parse_recipe("mxfp4"), parse_recipe("mxfp8_e4m3")
@@ -158,25 +158,33 @@ def _swiglu_experts(seed=0, E=4, D=64, F=32):
     return m
 
 
-def test_swiglu_quantizes_its_input_once_for_w1_and_w3(monkeypatch):
-    """w1 and w3 read the same activations: one activation fake quantization for both (plus one
-    for w2's input), with outputs and gradients equal to quantizing each operand on its own."""
-    import workbench.qat.grouped as qg
+def test_gate_up_quantizes_its_input_once_and_both_gemms_read_it(monkeypatch):
+    """w1 and w3 read the same activations: the seam quantizes them once and hands the one
+    quantized tensor to both GEMMs (one more activation quantization for w2's input), with
+    outputs and gradients equal to quantizing each operand on its own."""
+    import workbench.model.grouped as plain
 
     offs = torch.tensor([5, 9, 9, 16], dtype=torch.int32)
     x = (torch.randn(16, 64, generator=torch.Generator().manual_seed(1)) * 3).bfloat16()
     m = _swiglu_experts()
     prepare(m, "mxfp4+mxfp8", QuantScope.from_patterns(["re:experts$"]))
-    calls = []
-    real = qg.fake_quant_ste
-    monkeypatch.setattr(qg, "fake_quant_ste", lambda t, r, **kw: calls.append(
-        (tuple(t.shape), kw.get("per_leading", False))) or real(t, r, **kw))
-    xi = x.clone().requires_grad_()
-    y = m.experts(xi, offs)
-    dy = torch.randn_like(y)
-    y.backward(dy)
-    acts = [c[0] for c in calls if not c[1]]
-    assert acts == [(16, 64), (16, 32)], calls
+    quantized = []  # every fake quantization, through qat's public observer seam
+    handle = register_fake_quant_hook(lambda call, t: quantized.append(tuple(t.shape)) or call())
+    gemm_inputs = []
+    real_mm = plain.grouped_mm
+    monkeypatch.setattr(plain, "grouped_mm", lambda a, w, o, **kw: gemm_inputs.append(a)
+                        or real_mm(a, w, o, **kw))
+    try:
+        xi = x.clone().requires_grad_()
+        y = m.experts(xi, offs)
+        dy = torch.randn_like(y)
+        y.backward(dy)
+    finally:
+        handle.remove()
+    # weights w1, w3, w2 ([4, 32, 64], [4, 32, 64], [4, 64, 32]) and two activations
+    assert sorted(quantized) == sorted([(4, 32, 64), (4, 32, 64), (4, 64, 32), (16, 64), (16, 32)])
+    assert len(gemm_inputs) == 3 and gemm_inputs[0] is gemm_inputs[1]
+    assert torch.equal(gemm_inputs[0], fake_quantize(x, A))
 
     # The same layer by hand: every operand quantized on its own, autograd through leaves.
     e = m.experts
@@ -202,26 +210,22 @@ def test_swiglu_quantizes_its_input_once_for_w1_and_w3(monkeypatch):
         assert torch.equal(getattr(e, n).grad, wq[n].grad), n
 
 
-def test_shared_activation_is_never_stale():
-    """A changed tensor (in-place write), another recipe or another grad mode is quantized anew;
-    the slot never keeps an output alive past its input."""
-    import gc
-
-    import workbench.qat.grouped as qg
-
-    x = torch.randn(8, 64).bfloat16()
-    a = qg._shared_act_fq(x, A)
-    assert qg._shared_act_fq(x, A) is a
-    x.mul_(2.0)
-    b = qg._shared_act_fq(x, A)
-    assert b is not a and torch.equal(b, fake_quantize(x, A))
-    assert qg._shared_act_fq(x, parse_recipe("mxfp8_e5m2")) is not b
-    leaf = x.clone().requires_grad_()
-    act = leaf * 1  # a non-leaf, as the experts' input always is
+def test_down_applies_the_models_activation_then_quantizes_it():
+    """A family with another activation (gpt-oss's clamped SwiGLU, say) keeps it under QAT: the
+    seam applies the module's `act` and quantizes its output for w2, whatever the function."""
+    offs = torch.tensor([5, 9, 9, 16], dtype=torch.int32)
+    x = (torch.randn(16, 64, generator=torch.Generator().manual_seed(2)) * 3).bfloat16()
+    m = _swiglu_experts()
+    e = m.experts
+    e.act = lambda g, u: torch.clamp(g, max=0.5).sigmoid() * (u + 1)  # not swiglu
+    prepare(m, "mxfp4+mxfp8", QuantScope.from_patterns(["re:experts$"]))
     with torch.no_grad():
-        c = qg._shared_act_fq(act, A)
-    d = qg._shared_act_fq(act, A)
-    assert d is not c and d.grad_fn is not None
-    del x, a, b, c, d, act
-    gc.collect()
-    assert qg._LAST_ACT == []
+        y = e(x, offs)
+        xq = fake_quantize(x, A)
+        wq = {n: torch.stack([fake_quantize(getattr(e, n)[i], W) for i in range(4)])
+              for n in ("w1", "w3", "w2")}
+        g = torch.cat([xq[a:b] @ wq["w1"][i].t() for i, (a, b) in enumerate(zip([0, 5, 9, 9], offs.tolist()))])
+        u = torch.cat([xq[a:b] @ wq["w3"][i].t() for i, (a, b) in enumerate(zip([0, 5, 9, 9], offs.tolist()))])
+        hq = fake_quantize(torch.clamp(g, max=0.5).sigmoid() * (u + 1), A)
+        ref = torch.cat([hq[a:b] @ wq["w2"][i].t() for i, (a, b) in enumerate(zip([0, 5, 9, 9], offs.tolist()))])
+    assert torch.equal(y, ref)

@@ -152,13 +152,24 @@ def test_prepare_refuses_unblockable_reduction_dim():
         prepare(m, "mxfp4", "routed-experts")
 
 
-def test_parameter_replaced_after_prepare_is_an_error():
+def test_weights_are_found_by_role_when_the_parameters_are_replaced():
+    """The seam knows each weight by its role (the parameter name), never by the object: a
+    parameter replaced after prepare (EP narrowing here; FSDP2 swaps in gathered tensors every
+    step) is fake-quantized with its role's recipe, never silently run in BF16."""
     m = make("stacked")
     prepare(m, "mxfp4", "routed-experts")
-    m.model.layers[0].experts.narrow_(0, 2)  # EP sharding must happen before prepare
+    m.model.layers[0].experts.narrow_(0, 2)
+    ref = copy.deepcopy(m)
+    unprepare(ref)
+    r = parse_recipe("mxfp4")
+    with torch.no_grad():
+        for n, p in ref.model.layers[0].experts.named_parameters():
+            p.copy_(fq_along(p, r, -1))
     x, offs = inputs(offs=(3, 6))
-    with pytest.raises(RuntimeError, match="never saw"):
-        m(x, offs)
+    with torch.no_grad():
+        assert torch.equal(m(x, offs), ref(x, offs))
+        unprepare(m)
+        assert not torch.equal(m(x, offs), ref(x, offs))  # the comparison can tell BF16 apart
 
 
 def test_prepare_twice_is_an_error():

@@ -2,7 +2,8 @@
 
 Run as a subprocess (`python wandb_writer.py SPEC.json`) so wandb's global state never leaks
 into the test process. Spec: {"dir": ..., "runs": [{"name", "group", "id"?, "tags",
-"config", "rows": [{"step", "metrics"}], "summary", "alerts": [[title, text]],
+"config", "rows": [{"step", "metrics"}], "summary", "alerts": [[title, text]], "dir"? (this
+run's wandb dir instead of the spec's: a trainer writes to its own --out),
 "table_at"?, "image_at"?, "publish"?: {"baseline": rows, "alert_twice": bool}}]}.
 With "live_hold": FILE, the last run logs its rows, then waits until FILE exists to finish.
 """
@@ -24,7 +25,7 @@ def main(spec_path: str) -> None:
     for run in spec["runs"]:
         extra = {"run_id": run["id"]} if run.get("id") else {}
         logger = make_logger("offline", 0, project="wb-tests", group=run.get("group"),
-                             name=run["name"], dir=spec["dir"], config=run.get("config", {}),
+                             name=run["name"], dir=run.get("dir", spec["dir"]), config=run.get("config", {}),
                              tags=tuple(run.get("tags", ())), **extra)
         if type(logger).__name__ != "WandbLogger":
             raise SystemExit(f"expected a WandbLogger, got {type(logger).__name__}")

@@ -2,10 +2,13 @@
 
 At EP1 x FSDP over the world, each expert stack is split on dim 1 between the ranks; the
 fake quantization must still see whole experts (NVFP4: one amax per expert). Every weight that
-`workbench.qat`'s grouped GEMM quantizes is recorded in a forward of the FSDP model and of an
-unsharded model built from the same seed; they must be equal. As a check that the comparison
-can fail, each rank also quantizes its own FSDP shard alone and reports whether that differs
-from the matching slice of the whole-expert result (it must, on some rank).
+`workbench.qat`'s expert seam quantizes is recorded (through qat's public fake-quant hook) in a
+forward of the FSDP model and of an unsharded model built from the same seed; they must be
+equal. As a check that the comparison can fail, each rank also quantizes its own FSDP shard
+alone and reports whether that differs from the matching slice of the whole-expert result (it
+must, on some rank). It also reports whether FSDP left the experts' QAT seams as prepare made
+them (the same objects, the same attributes): the seam finds its weights by role, so
+`train.fsdp` has nothing to re-bind.
 
 Usage: torchrun --nproc-per-node 2 fsdp_fq_worker.py OUT_JSON RECIPE
 """
@@ -17,22 +20,29 @@ import sys
 
 import torch
 
-import workbench.qat.grouped as qat_grouped
+import workbench.train.build as build_mod
 from workbench.model import MoEForCausalLM
+from workbench.model.experts import GroupedExperts
+from workbench.qat import QATExpertGemms, fake_quant_reference, register_fake_quant_hook
 from workbench.train import distributed
 from workbench.train.build import build, model_config, prepare_qat
 from workbench.train.config import tiny
 from workbench.train.fsdp import EXPERT_DIM
 
 
-def _recording(records: list[torch.Tensor], real):
-    def rec(x, recipe, **kw):
-        y = real(x, recipe, **kw)
-        if kw.get("per_leading"):  # the weight stacks (activations have no per_leading)
+def _recording(records: list[torch.Tensor]):
+    def hook(call, x):
+        y = call()
+        if x.dim() == 3:  # the weight stacks (activations are [T, D])
             records.append(y.detach().clone())
         return y
 
-    return rec
+    return hook
+
+
+def _seams(model) -> dict[str, tuple[object, dict]]:
+    return {n: (m.gemms, dict(vars(m.gemms))) for n, m in model.named_modules()
+            if isinstance(m, GroupedExperts)}
 
 
 def main() -> None:
@@ -40,21 +50,38 @@ def main() -> None:
     info = distributed.setup()
     cfg = tiny("/nonexistent-not-written", recipe=recipe, fsdp=True, ep=1, batch=4, seq=16)
     tok = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
-    real = qat_grouped.fake_quant_ste
+    before: dict = {}
+    real_fsdp = build_mod.apply_fsdp
+
+    def snapshot_then_shard(model, *a, **kw):  # the seams as prepare left them
+        before.update(_seams(model))
+        return real_fsdp(model, *a, **kw)
+
+    build_mod.apply_fsdp = snapshot_then_shard
     try:
-        fsdp_q: list[torch.Tensor] = []
         b = build(cfg, info)
-        qat_grouped.fake_quant_ste = _recording(fsdp_q, real)
+    finally:
+        build_mod.apply_fsdp = real_fsdp
+    after = _seams(b.model)
+    seams_untouched = len(before) == 2 and before.keys() == after.keys() and all(
+        isinstance(after[n][0], QATExpertGemms) and after[n][0] is before[n][0]
+        and after[n][1] == before[n][1] for n in before)
+    fsdp_q: list[torch.Tensor] = []
+    handle = register_fake_quant_hook(_recording(fsdp_q))
+    try:
         with torch.no_grad():
             b.model(tok)
-        ref_q: list[torch.Tensor] = []
-        ref = MoEForCausalLM(model_config(cfg), seed=cfg.seed, dtype=torch.float32)
-        prepare_qat(ref, cfg)
-        qat_grouped.fake_quant_ste = _recording(ref_q, real)
+    finally:
+        handle.remove()
+    ref_q: list[torch.Tensor] = []
+    ref = MoEForCausalLM(model_config(cfg), seed=cfg.seed, dtype=torch.float32)
+    prepare_qat(ref, cfg)
+    handle = register_fake_quant_hook(_recording(ref_q))
+    try:
         with torch.no_grad():
             ref(tok)
     finally:
-        qat_grouped.fake_quant_ste = real
+        handle.remove()
     equal = len(fsdp_q) == len(ref_q) > 0 and all(
         a.shape == r.shape and torch.equal(a, r) for a, r in zip(fsdp_q, ref_q))
     # The mutation the test guards against: quantizing a shard on its own.
@@ -69,12 +96,13 @@ def main() -> None:
         local = params[n].to_local()
         size = local.shape[EXPERT_DIM]
         start = info.rank * -(-whole[n].shape[EXPERT_DIM] // info.world)
-        q_whole = real(whole[n].detach(), w_recipe, per_leading=True)
-        q_shard = real(local.detach(), w_recipe, per_leading=True)
+        q_whole = fake_quant_reference(whole[n].detach(), w_recipe, per_leading=True)
+        q_shard = fake_quant_reference(local.detach(), w_recipe, per_leading=True)
         if not torch.equal(q_shard, q_whole.narrow(EXPERT_DIM, start, size)):
             shard_differs = True
     res = {"rank": info.rank, "equal": equal, "n": len(fsdp_q), "shard_differs": shard_differs,
-           "placements": [str(params[n].placements) for n in names[:1]]}
+           "placements": [str(params[n].placements) for n in names[:1]],
+           "seams_untouched": seams_untouched}
     all_res: list = [None] * info.world
     torch.distributed.all_gather_object(all_res, res)
     if info.rank == 0:

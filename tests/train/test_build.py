@@ -58,3 +58,45 @@ def test_materialize_matches_the_constructor(tied):
     ids = torch.randint(0, mcfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.inductor_cpp
+def test_compiled_layers_train_like_the_eager_ones(tmp_path):
+    """--compile: each decoder layer runs compiled (a graph per layer kind), the losses of a few
+    steps stay those of the eager model within fused rounding, and the masters are the same
+    objects (the optimizer and QAT hold them)."""
+    from workbench.train.data import load_corpus
+    from workbench.train.loop import train_step
+
+    info = distributed.setup()
+    tokens = load_corpus().train
+    losses = {}
+    for flag in ([], ["--compile"]):
+        cfg = config_from_args([*TINY, "--recipe", "mxfp4", "--out", str(tmp_path / "r"), *flag])
+        torch.manual_seed(0)
+        b = build(cfg, info)
+        compiled = [layer._compiled_call_impl is not None for layer in b.model.model.layers]
+        assert all(compiled) == cfg.compile and any(compiled) == cfg.compile
+        params = {id(p) for p in b.model.parameters()}
+        losses[cfg.compile] = [train_step(b.model, b.opt, b.sched, tokens, cfg, info, s)["loss"]
+                               for s in range(1, 4)]
+        assert params == {id(p) for p in b.model.parameters()}
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-4, atol=1e-5)
+
+
+def test_a_run_as_long_as_the_model_allows_trains(tmp_path):
+    """--seq equal to the model's max_seq_len: each batch row holds seq + 1 tokens (the last one
+    only a label), so the model is built to take them."""
+    from workbench.train.build import model_config
+    from workbench.train.data import load_corpus
+    from workbench.train.loop import train_step
+
+    seq = tiny().max_seq_len
+    cfg = config_from_args([*TINY, "--seq", str(seq), "--batch", "2",
+                            "--out", str(tmp_path / "r")])
+    assert model_config(cfg).max_seq_len == seq + 1
+    info = distributed.setup()
+    b = build(cfg, info)
+    rec = train_step(b.model, b.opt, b.sched, load_corpus().train, cfg, info, 1)
+    assert rec["loss"] > 0

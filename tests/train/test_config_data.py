@@ -37,7 +37,7 @@ def test_cli_overrides_and_preset_defaults(tmp_path):
     with pytest.raises(ValueError, match="multiple of the world size"):
         cfg.replace(batch=6).check_world(4)
     with pytest.raises(ValueError, match="TrainConfig.recipe 'int3'"):
-        config_from_args(["--recipe", "int3", "--out", str(tmp_path)])
+        config_from_args(["--recipe", "int3", "--out", str(tmp_path)], raising=True)
 
 
 def test_corpus_matches_manifest_and_licence():
@@ -95,7 +95,7 @@ def test_allow_config_change_names_only_fields_safe_to_change(tmp_path):
     for bad in (("preset",), ("seed", "lr"), ("batch",), ("recipe",)):
         with pytest.raises(ValueError, match="only steps, lr"):
             TrainConfig(out="x", allow_config_change=bad)
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="allow_config_change must be a tuple"):
         TrainConfig(out="x", allow_config_change="steps")
     with pytest.raises(SystemExit):
         config_from_args(["--out", str(tmp_path), "--allow-config-change", "seed"])

@@ -70,16 +70,17 @@ def test_enable_refuses_a_nondeterministic_cublas_setting(monkeypatch):
 
 
 def test_launch_spec_argv_and_env():
-    on, off = LaunchSpec(), LaunchSpec(deterministic=False)
-    assert "--deterministic" in on.trainer_argv("/tmp/x")  # on by default
-    assert "--deterministic" not in off.trainer_argv("/tmp/x")
-    assert "--no-deterministic" in off.trainer_argv("/tmp/x")
+    on, off = LaunchSpec.build(), LaunchSpec.build(deterministic=False)
+    assert "--deterministic" in on.job_argv()  # on by default
+    assert "--deterministic" not in off.job_argv()
+    assert "--no-deterministic" in off.job_argv()
     assert _job_env(on)[CUBLAS_ENV] == CUBLAS_VALUE and CUBLAS_ENV not in _job_env(off)
     # a user's own deterministic choice wins over the default
-    assert _job_env(LaunchSpec(deterministic=True, env={CUBLAS_ENV: ":16:8"}))[CUBLAS_ENV] == ":16:8"
-    assert LaunchSpec.from_json(on.to_json()).deterministic is True
+    assert _job_env(LaunchSpec.build(deterministic=True,
+                                     env={CUBLAS_ENV: ":16:8"}))[CUBLAS_ENV] == ":16:8"
+    assert LaunchSpec.from_json(on.to_json()).train.deterministic is True
     with pytest.raises(ValueError, match="deterministic must be a bool"):
-        LaunchSpec(deterministic=1)
+        LaunchSpec.build(deterministic=1)
 
 
 def _torchrun(out: Path, report: Path) -> None:
@@ -111,11 +112,10 @@ def test_torchrun_every_rank_and_two_fresh_runs_identical(tmp_path):
 
 
 def _spec(tmp_path, **kw) -> LaunchSpec:
-    return LaunchSpec(preset="tiny", steps=3, wandb="disabled", time_min=10, ep=2,
-                      folder=tmp_path / "run", deterministic=True, target="test_deterministic_switch:"
-                      "trainer_probe", pythonpath=(HERE,),
-                      trainer_args=("--batch", "4", "--seq", "32", "--warmup", "2",
-                                    "--val-every", "0"), **kw)
+    return LaunchSpec.build(preset="tiny", steps=3, wandb="disabled", time_min=10, ep=2,
+                            folder=tmp_path / "run", deterministic=True,
+                            target="test_deterministic_switch:trainer_probe", pythonpath=(HERE,),
+                            batch=4, seq=32, warmup=2, val_every=0, **kw)
 
 
 def _check_job(job) -> None:

@@ -88,7 +88,7 @@ def test_trainer_argv_round_trips_the_layout(tmp_path):
         argv = trainer_argv(cfg)
         assert config_from_args(argv) == cfg
         assert ("--fsdp" in argv) == cfg.fsdp
-        assert ("--ep" in argv) == (cfg.ep is not None)
+        assert (f"--ep={cfg.ep}" in argv) == (cfg.ep is not None)
 
 
 def _fake_checkpoint(out: Path, cfg: TrainConfig) -> None:
@@ -158,6 +158,7 @@ def test_fake_quantized_experts_are_those_of_the_whole_model(tmp_path, recipe):
     res = json.loads(out.read_text())
     assert [r["placements"] for r in res] == [["(Shard(dim=1),)"]] * 2  # really split
     assert all(r["equal"] and r["n"] == 6 for r in res), res  # 2 layers x (w1, w3, w2)
+    assert all(r["seams_untouched"] for r in res), res  # FSDP re-binds no QAT seam
     if recipe == "nvfp4":  # the comparison can fail: a shard's own amax gives other values
         assert any(r["shard_differs"] for r in res), res
 
@@ -245,11 +246,11 @@ def test_launch_check_plans_fsdp_layouts_as_sharded():
     from workbench.launch import LaunchSpec
     from workbench.launch.fits import plan_for
 
-    kw = {"preset": "qwen3_30b_a3b_like", "recipe": "mxfp4", "executor": "slurm",
-          "trainer_args": ("--batch", "8", "--seq", "512")}
-    ep_only = plan_for(LaunchSpec(ep=2, gpus_per_node=2, **kw))
-    fsdp = plan_for(LaunchSpec(ep=1, dp=2, fsdp=True, gpus_per_node=2, **kw))
-    ep2_fsdp = plan_for(LaunchSpec(ep=2, fsdp=True, gpus_per_node=2, **kw))
+    kw = {"preset": "qwen3_30b_a3b_like", "recipe": "mxfp4", "executor": "slurm", "batch": 8,
+          "seq": 512}
+    ep_only = plan_for(LaunchSpec.build(ep=2, gpus_per_node=2, **kw))
+    fsdp = plan_for(LaunchSpec.build(ep=1, dp=2, fsdp=True, gpus_per_node=2, **kw))
+    ep2_fsdp = plan_for(LaunchSpec.build(ep=2, fsdp=True, gpus_per_node=2, **kw))
     assert (ep_only.layout.sharded, fsdp.layout.sharded, ep2_fsdp.layout.sharded) == \
         (False, True, True)
     assert (fsdp.layout.ep, fsdp.layout.fsdp) == (1, 2)

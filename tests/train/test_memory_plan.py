@@ -195,19 +195,19 @@ def test_smallest_layouts_fit_and_one_node_fewer_does_not():
 
 
 def test_submit_refuses_a_gpu_launch_that_cannot_fit_before_queueing(tmp_path):
-    spec = LaunchSpec(preset="qwen3_30b_a3b_like", recipe="mxfp4", ep=1, gpus_per_node=1,
-                      gpu_mem_gib=24.0, folder=tmp_path / "run", executor="local")
+    spec = LaunchSpec.build(preset="qwen3_30b_a3b_like", recipe="mxfp4", ep=1, gpus_per_node=1,
+                            gpu_mem_gib=24.0, folder=tmp_path / "run", executor="local")
     with pytest.raises(LaunchSpecError, match="does not fit") as e:
         submit(spec)
     assert "optimizer" in str(e.value) and "GiB" in str(e.value)
     assert not (tmp_path / "run").exists()  # nothing was queued or written
     # The override lets it through the check; a CPU launch is not checked at all.
-    assert check_fits(LaunchSpec(preset="qwen3_30b_a3b_like", recipe="mxfp4", ep=1,
-                                 gpus_per_node=1, gpu_mem_gib=24.0,
-                                 skip_memory_check=True)) is not None
-    assert check_fits(LaunchSpec(preset="qwen3_30b_a3b_like", ep=1)) is None
-    fits = check_fits(LaunchSpec(preset="qwen3_30b_a3b_like", recipe="mxfp4", ep=1,
-                                 gpus_per_node=1, trainer_args=("--batch", "8", "--seq", "512")))
+    assert check_fits(LaunchSpec.build(preset="qwen3_30b_a3b_like", recipe="mxfp4", ep=1,
+                                       gpus_per_node=1, gpu_mem_gib=24.0,
+                                       skip_memory_check=True)) is not None
+    assert check_fits(LaunchSpec.build(preset="qwen3_30b_a3b_like", ep=1)) is None
+    fits = check_fits(LaunchSpec.build(preset="qwen3_30b_a3b_like", recipe="mxfp4", ep=1,
+                                       gpus_per_node=1, batch=8, seq=512))
     assert fits.fits
 
 

@@ -1,9 +1,11 @@
 """The fused AdamW update of NVFP4 expert stacks, run on CPU tensors under the Triton interpreter
-(``amax_path="always"``): it seeds the exact per-expert amax of the values it wrote (a NaN expert
-and an all-zero expert included), moves the version counter, the next fake quantization takes the
-seed instead of an amax pass and gives the reference's bits, and the update is torch's AdamW to
-one ulp of the result and of the update (torch's CPU addcdiv rounds in another order; bitwise
-is test_optim_gpu.py's job).
+(``amax_path="always"``): it hands its amax sink (the trainer's ``QATState``) the exact per-expert
+amax of the values it wrote (a NaN expert and an all-zero expert included, bit for bit the
+definition ``workbench.qat.expert_amax``), moves the version counter, the next fake quantization
+takes that amax instead of an amax pass and gives the reference's bits, and the update is torch's
+AdamW to one ulp of the result and of the update (torch's CPU addcdiv rounds in another order;
+bitwise is test_optim_gpu.py's job). Through a prepared layer and the trainer's checkpoint path:
+a checkpoint loaded after the optimizer wrote an amax makes the forward compute it again.
 Bitwise arithmetic of the kernel itself is checked against an fp32/fp64 emulation of both
 CONTRACT variants."""
 
@@ -22,7 +24,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from workbench import kernels
 from workbench.formats import fake_quantize, parse_recipe
-from workbench.qat import ste
+from workbench.qat import QATState, expert_amax, ste
 from workbench.train.optim import AdamW
 
 R = parse_recipe("nvfp4:torchao")
@@ -100,15 +102,27 @@ def _same_amax(got: torch.Tensor, want: torch.Tensor, payload: bool) -> None:
 
 @pytest.fixture
 def amax_calls(monkeypatch):
+    """Every amax pass a fake quantization runs (none when it is handed the amax)."""
     calls = []
-    real = ste._compute_amax
+    real = ste.expert_amax
 
-    def counting(w, fast):
+    def counting(w, fast=None):
         calls.append(tuple(w.shape))
         return real(w, fast)
 
-    monkeypatch.setattr(ste, "_compute_amax", counting)
+    monkeypatch.setattr(ste, "expert_amax", counting)
     return calls
+
+
+def _book(wanted: dict[str, nn.Parameter], others: dict[str, nn.Parameter] = {}):  # noqa: B006
+    """A QATState wanting the amax of `wanted` (by name), and its optimizer sink."""
+    m = nn.Module()
+    for n, p in {**wanted, **others}.items():
+        m.register_parameter(n, p)
+    state = QATState()
+    for n in wanted:
+        state.want(n)
+    return state, state.optimizer_sink(m)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -116,9 +130,11 @@ def amax_calls(monkeypatch):
 def test_fused_update_seeds_the_exact_amax(dtype, wd, amax_calls):
     w = nn.Parameter(_stack(dtype))
     ref_w = nn.Parameter(_stack(dtype))
-    ours = AdamW([w], lr=0.05, weight_decay=wd, foreach=False, amax_path="always")
+    state, sink = _book({"w": w})
+    ours = AdamW([w], lr=0.05, weight_decay=wd, foreach=False, amax_path="always",
+                 amax_sink=sink)
     ref = torch.optim.AdamW([ref_w], lr=0.05, weight_decay=wd, foreach=False)
-    ste.fake_quant_ste(w, R, per_leading=True)  # the forward asks for w's amax
+    ste.fake_quant_ste(w, R, per_leading=True)  # the first forward computes w's amax
     assert amax_calls == [(E, O, I)]
     for step in range(4):
         w.grad, ref_w.grad = _grad(dtype, step), _grad(dtype, step)
@@ -148,12 +164,15 @@ def test_fused_update_seeds_the_exact_amax(dtype, wd, amax_calls):
         with torch.no_grad():  # the moments go on from ours, so each step is one rounding
             for k in ("exp_avg", "exp_avg_sq"):
                 ref.state[ref_w][k].copy_(ours.state[w][k])
-        seeded = ste.expert_amax(w)  # served from the seed: no amax pass
-        assert amax_calls == [(E, O, I)]
+        seeded = state.amax("w", w)  # the optimizer's, for the values it wrote
+        assert seeded is not None
         _same_amax(seeded, _ref_amax(w), payload=dtype == torch.float32)
+        n_passes = len(amax_calls)
+        _same_amax(seeded, expert_amax(w), payload=dtype == torch.float32)  # the definition
+        del amax_calls[n_passes:]
         assert seeded[NAN_EXPERT].isnan().all() and seeded[ZERO_EXPERT].eq(0).all()
-        fq = ste.fake_quant_ste(w, R, per_leading=True)
-        assert amax_calls == [(E, O, I)]
+        fq = ste.fake_quant_ste(w, R, per_leading=True, global_amax=seeded)
+        assert amax_calls == [(E, O, I)]  # no amax pass
         want = torch.stack([fake_quantize(w[e].detach(), R) for e in range(E)])
         assert torch.equal(fq.isnan(), want.isnan())
         assert torch.equal(fq.nan_to_num(0.0), want.nan_to_num(0.0))
@@ -177,19 +196,22 @@ def test_no_amax_where_nobody_wants_it(monkeypatch, amax_calls):
     calls = _spy_kernel(monkeypatch)
     wanted, unwanted, flat = (nn.Parameter(_stack(torch.float32, s)) for s in range(3))
     flat = nn.Parameter(flat.detach().reshape(E * O, I))
-    ste.fake_quant_ste(wanted, R, per_leading=True)
-    amax_calls.clear()
-    for amax_path, params, kernel_calls in (("auto", [wanted, unwanted], 0),
-                                            ("never", [wanted], 0),
-                                            ("always", [unwanted, flat], 0),
-                                            ("always", [wanted, unwanted, flat], 1)):
+    state, sink = _book({"wanted": wanted}, {"unwanted": unwanted, "flat": flat})
+    for amax_path, params, kernel_calls, with_sink in (("auto", [wanted, unwanted], 0, True),
+                                                       ("never", [wanted], 0, True),
+                                                       ("always", [wanted], 0, False),
+                                                       ("always", [unwanted, flat], 0, True),
+                                                       ("always", [wanted, unwanted, flat], 1,
+                                                        True)):
         # the last-op kernel's rules (the whole-step kernel's: the test below)
-        opt = AdamW(params, lr=1e-2, foreach=False, amax_path=amax_path, whole_step=False)
+        opt = AdamW(params, lr=1e-2, foreach=False, amax_path=amax_path, whole_step=False,
+                    amax_sink=sink if with_sink else None)
         for p in params:
             p.grad = torch.ones_like(p)
         opt.step()
         assert len(calls) == kernel_calls and amax_calls == [], amax_path
-    assert not ste.amax_wanted(unwanted) and not ste.amax_wanted(flat)
+    assert not sink.wants(unwanted) and not sink.wants(flat)
+    assert state.amax("wanted", wanted) is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -314,15 +336,13 @@ def test_optimizer_takes_the_whole_step_for_fp32_only(monkeypatch):
     stack = nn.Parameter(_stack(torch.float32, 1))
     flat = nn.Parameter(_stack(torch.float32, 2).reshape(E * O, I))
     half = nn.Parameter(_stack(torch.bfloat16, 3))
-    ste.fake_quant_ste(half, R, per_leading=True)  # wanted: the bf16 stack's last op is fused
     runs = {}
     for whole_step in (True, False):
         params = [nn.Parameter(t.detach().clone()) for t in (stack, flat, half)]
-        if whole_step is False:
-            ste.fake_quant_ste(params[2], R, per_leading=True)
-        else:
-            params[2] = half
-        opt = AdamW(params, lr=1e-2, foreach=False, amax_path="always", whole_step=whole_step)
+        # wanted: the bf16 stack (its last op is fused)
+        _, sink = _book({"bf16_stack": params[2]}, {"stack": params[0], "flat": params[1]})
+        opt = AdamW(params, lr=1e-2, foreach=False, amax_path="always", whole_step=whole_step,
+                    amax_sink=sink)
         whole.clear(), last.clear()
         for step in range(2):
             for p in params:
@@ -334,3 +354,86 @@ def test_optimizer_takes_the_whole_step_for_fp32_only(monkeypatch):
         assert last == [half.shape] * 2, whole_step
     for a, b in zip(runs[True], runs[False]):  # the same update (the bits: the tests above)
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _prepared(seed: int = 0):
+    from workbench.model.experts import GroupedExperts
+    from workbench.qat import prepare
+    from workbench.scope import QuantScope
+
+    torch.manual_seed(seed)
+    m = nn.Module()
+    m.experts = GroupedExperts(E, I, O)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape) * torch.logspace(-2, 2, E)[:, None, None])
+    state = QATState()
+    prepare(m, "nvfp4", QuantScope.from_patterns(["re:experts$"]), state=state)
+    return m, state
+
+
+def _layer_reference(m, x, offs):
+    """The layer with each weight quantized per expert by the reference codec."""
+    e = m.experts
+    wq = {n: torch.stack([fake_quantize(getattr(e, n)[k].detach(), R) for k in range(E)])
+          for n in ("w1", "w3", "w2")}
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+
+    def mm(a, w):
+        return torch.cat([a[s:t] @ w[k].t() for k, (s, t) in enumerate(zip(starts, ends))])
+
+    with torch.no_grad():
+        return mm(nn.functional.silu(mm(x, wq["w1"])) * mm(x, wq["w3"]), wq["w2"])
+
+
+def test_trainer_flow_optimizer_amax_feeds_the_forward_and_a_checkpoint_load_voids_it(
+        tmp_path, amax_calls):
+    """A prepared layer, its QATState and the optimizer wired as `train.build` wires them: after
+    each step the forward takes the optimizer's amax (no amax pass) and gives the reference's
+    bits. Loading a checkpoint through the trainer's state dict (`train.checkpointing`, DCP)
+    after more steps writes other values: the forward must not take the amax the optimizer
+    wrote before the load."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from workbench.train import checkpointing as ckpt
+    from workbench.train.distributed import DistInfo
+
+    m, state = _prepared()
+    opt = AdamW(m.parameters(), lr=0.05, foreach=False, amax_path="always",
+                amax_sink=state.optimizer_sink(m))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    info = DistInfo(0, 1, 0, torch.device("cpu"), None, False)
+    offs = torch.tensor([3, 7, 7, 16], dtype=torch.int32)  # an empty expert too
+    x = torch.randn(16, I, generator=torch.Generator().manual_seed(3))
+
+    def step():
+        y = m.experts(x, offs)
+        y.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        return y.detach()
+
+    ref = _layer_reference(m, x, offs)
+    assert torch.equal(step(), ref) and len(amax_calls) == 3  # the first step computes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(ckpt.state_dict(m, opt, sched, 1, info), checkpoint_id=str(tmp_path / "ck"))
+    for _ in range(2):
+        before = len(amax_calls)
+        with torch.no_grad():
+            y = m.experts(x, offs)
+        assert len(amax_calls) == before  # every amax from the optimizer's write
+        assert torch.equal(y, _layer_reference(m, x, offs))
+        step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sd = ckpt.state_dict(m, opt, sched, 0, info)
+        dcp.load(sd, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    before = len(amax_calls)
+    with torch.no_grad():
+        y = m.experts(x, offs)
+    assert len(amax_calls) == before + 3  # the loaded values: computed again
+    assert torch.equal(y, _layer_reference(m, x, offs))

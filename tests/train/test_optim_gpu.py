@@ -1,8 +1,8 @@
 """On CUDA the fused AdamW updates are torch.optim.AdamW(foreach=False) bit for bit (params and
 moments): an NVFP4 expert stack (5 steps, bf16: the last op fused; fp32: the whole step), which
-also seeds the exact per-expert amax (NaN payload included: every NaN result is canonical on the
-GPU); fp32 matrices through the whole step, one with more chunks than a grid's second axis
-holds."""
+also hands its amax sink (a ``QATState``) the exact per-expert amax (NaN payload included: every
+NaN result is canonical on the GPU); fp32 matrices through the whole step, one with more chunks
+than a grid's second axis holds."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from torch import nn
 
 pytest.importorskip("triton", reason="the fused path needs Triton (the gpu extra)")
 
-from workbench.formats import parse_recipe
-from workbench.qat import ste
+from workbench.qat import QATState
 from workbench.train.optim import AdamW
 
 
@@ -23,17 +22,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_fused_update_is_torch_adamw_bit_for_bit(dtype, monkeypatch):
+def test_cuda_fused_update_is_torch_adamw_bit_for_bit(dtype):
     g = torch.Generator().manual_seed(0)
     init = (torch.randn(6, 128, 256, generator=g) * torch.logspace(-3, 3, 6)[:, None, None])
     init[1] = 0  # an all-zero expert
     w, ref_w = (nn.Parameter(init.to(dtype).cuda()) for _ in range(2))
-    ours = AdamW([w], lr=1e-2, weight_decay=0.1, foreach=False)
+    holder = nn.Module()
+    holder.w = w
+    state = QATState()
+    state.want("w")
+    ours = AdamW([w], lr=1e-2, weight_decay=0.1, foreach=False,
+                 amax_sink=state.optimizer_sink(holder))
     ref = torch.optim.AdamW([ref_w], lr=1e-2, weight_decay=0.1, foreach=False)
-    ste.fake_quant_ste(w, parse_recipe("nvfp4:torchao"), per_leading=True)
-    calls = []
-    real = ste._compute_amax
-    monkeypatch.setattr(ste, "_compute_amax", lambda x, fast: calls.append(1) or real(x, fast))
     for step in range(5):
         grad = torch.randn(init.shape, generator=g) * 10.0 ** (step % 3 - 1)
         grad[1] = 0
@@ -47,8 +47,8 @@ def test_cuda_fused_update_is_torch_adamw_bit_for_bit(dtype, monkeypatch):
         assert torch.equal(_bits(w.detach()), _bits(ref_w.detach()))
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(_bits(ours.state[w][k]), _bits(ref.state[ref_w][k]))
-        seeded = ste.expert_amax(w)
-        assert not calls  # the seed, not an amax pass
+        seeded = state.amax("w", w)  # the optimizer's, for the values it wrote
+        assert seeded is not None
         want = w.detach().abs().amax(dim=(-2, -1), keepdim=True).float()
         assert torch.equal(_bits(seeded), _bits(want))
         assert seeded[3].isnan().all() and seeded[1].eq(0).all()

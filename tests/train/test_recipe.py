@@ -1,19 +1,13 @@
-"""One recipe grammar at every edge: the parser, TrainConfig, the trainer's command line
-(workbench.train.args: the parser and its argv writer), LaunchSpec. Expected values are written out from the grammar, not taken from the code."""
+"""One recipe grammar at every edge: the parser and TrainConfig (the trainer's command line and
+the launcher carry TrainConfig: tests/train/test_args.py, tests/launch/test_launch_spec.py).
+Expected values are written out from the grammar, not taken from the code."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from workbench.formats.recipe import QATRecipe, Recipe, RecipeError, parse_qat_recipe
-from workbench.train.args import TrainArgsError, config_from_args, parser, trainer_argv
-from workbench.train.config import TrainConfig, tiny
-
-ROOT = Path(__file__).resolve().parents[2]
+from workbench.train.config import tiny
 
 GOOD = {  # text -> (weight fmt, weight profile, act fmt, act profile)
     "mxfp4": ("mxfp4", "rceil", None, None),
@@ -95,85 +89,6 @@ def test_old_run_folders_recorded_plain_strings(tmp_path):
     cfg = tiny(str(tmp_path), recipe="mxfp4")
     assert cfg.to_dict()["recipe"] == "mxfp4"
     assert tiny(str(tmp_path), recipe=parse_qat_recipe("mxfp4")).recipe == "mxfp4:rceil"
-
-
-CONFIGS = [
-    {},
-    {"recipe": "nvfp4+mxfp8", "steps": 7, "seed": 3, "lr": 1.5e-4},
-    {"recipe": "mxfp4:floor+mxfp8", "export": "compressed-tensors", "deterministic": False},
-    {"recipe": "mxfp8", "activation_checkpointing": "selective", "expert_stats_every": 0, "keep": 5},
-    {"recipe": "mxfp4", "profile": "even", "wandb": "disabled", "run_group": "g", "run_name": "n",
-         "project": "p", "resume": True, "allow_config_change": ("steps", "lr")},
-    {"data": ("a.jsonl", "b.txt"), "val_data": ("c.jsonl",), "tokenizer": "tok", "token_cache": "tc",
-         "grad_clip": 0.0, "warmup": 0, "val_every": 0, "ckpt_every": 0, "batch": 4, "seq": 32},
-    {"recipe": "nvfp4:te+mxfp8", "ep": 2, "fsdp": True, "activation_checkpointing": "full"},
-    {"init": "ckpt", "distill": True, "kd_weight": 0.5, "ce_weight": 0.25, "kd_temperature": 2.0,
-         "export": "bf16", "data": ("d.parquet",)},
-]
-
-
-@pytest.mark.parametrize("overrides", CONFIGS)
-def test_trainer_argv_round_trips(tmp_path, overrides):
-    cfg = tiny(str(tmp_path / "run"), **overrides)
-    assert config_from_args(trainer_argv(cfg)) == cfg
-
-
-def test_trainer_argv_round_trips_distill_and_checkpoint_models(tmp_path):
-    cfg = TrainConfig(out=str(tmp_path), preset=None, init="ckpt", distill=True, kd_weight=0.5,
-                      ce_weight=0.25, kd_temperature=2.0, batch=32, seq=1024, lr=1e-5,
-                      warmup=20, steps=500, val_every=100, ckpt_every=100)
-    assert config_from_args(trainer_argv(cfg)) == cfg
-
-
-def test_trainer_argv_refuses_fields_without_a_flag(tmp_path):
-    with pytest.raises(ValueError, match="beta1"):
-        trainer_argv(tiny(str(tmp_path), beta1=0.5))
-
-
-@pytest.mark.parametrize("extra, words", [
-    (["--nosuch", "1"], "unrecognized arguments: --nosuch 1"),
-    (["--batch", "abc"], "argument --batch: invalid int value: 'abc'"),
-    (["--export", "gguf"], "argument --export: invalid choice: 'gguf'"),
-    (["--allow-config-change", "seed"], "argument --allow-config-change: --allow-config-change seed"),
-    (["--help"], "exits here"),  # a launcher's process (a notebook kernel) must not exit
-])
-def test_raising_parser_refuses_in_one_line(tmp_path, extra, words, capsys):
-    argv = ["--out", str(tmp_path), *extra]
-    with pytest.raises(TrainArgsError) as e:
-        config_from_args(argv, raising=True)
-    assert words in str(e.value) and "\n" not in str(e.value)
-    assert str(e.value).startswith("jobs/qat.py: ")
-    if extra != ["--help"]:  # argparse's message alone: no usage printed, no "prog: error:" twice
-        assert "error:" not in str(e.value) and capsys.readouterr().err == ""
-        # the terminal's parser: usage and exit code 2, as argparse does
-        with pytest.raises(SystemExit) as e:
-            config_from_args(argv)
-        assert e.value.code == 2
-    with pytest.raises(TrainArgsError, match="the following arguments are required: --out"):
-        parser(raising=True).parse_args([])
-
-
-def test_cli_help_and_bad_flag(tmp_path):
-    env = {"TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1", "PATH": "/usr/bin"}
-    p = subprocess.run([sys.executable, "-m", "workbench.train.cli", "--help"], cwd=ROOT,
-                       capture_output=True, text=True, check=False, env=env)
-    assert p.returncode == 0 and "--allow-config-change" in p.stdout, p.stderr
-    assert p.stdout.splitlines()[0].startswith("usage: jobs/qat.py")
-    p = subprocess.run([sys.executable, str(ROOT / "jobs" / "qat.py"), "--out", str(tmp_path),
-                        "--nosuch"], capture_output=True, text=True, check=False, env=env)
-    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
-    assert [ln for ln in p.stderr.splitlines() if "error:" in ln] == [
-        "jobs/qat.py: error: unrecognized arguments: --nosuch"]
-
-
-def test_cli_bad_recipe_is_one_line_and_exit_2(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "jobs" / "qat.py"), "--recipe", "mxfp44",
-                        "--out", str(tmp_path / "r")], capture_output=True, text=True, check=False,
-                       env={"TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1", "PATH": "/usr/bin"})
-    assert p.returncode == 2
-    lines = [ln for ln in p.stderr.splitlines() if "mxfp44" in ln]
-    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
-    assert "mxfp4+mxfp8" in lines[0]  # lists what is accepted
 
 
 def test_torch_free_table_agrees_with_the_format_specs():

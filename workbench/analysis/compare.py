@@ -12,15 +12,20 @@ weight (layer x expert x projection), and their difference:
 
 The result's ``table`` has one row per weight: ``a_<m>`` / ``b_<m>`` for the error metrics,
 ``delta`` = A - B of ``metric``, ``change_pct`` = 100 * delta / B, and ``verdict``: improved
-(A has at least ``tol_pct`` percent less error), worse, or same. Lower is better for the
-metrics offered (``rel_err``, ``max_abs_err``); ``sqnr_gain_db`` = A - B in dB (higher: A better).
+when A has more than ``tol_pct`` percent less error than B (``change_pct < -tol_pct``), worse
+when more than ``tol_pct`` percent more (``change_pct > tol_pct``), same otherwise: a change of
+exactly ``tol_pct`` percent is within the tolerance, and at ``tol_pct=0`` any difference counts
+while equal errors stay "same". A weight whose values hold NaN/Inf on either side (counted in
+``a_nonfinite`` / ``b_nonfinite``), or whose error is NaN, has no change to judge: its verdict
+is non-finite, never same. Lower is better for the metrics offered (``rel_err``,
+``max_abs_err``); ``sqnr_gain_db`` = A - B in dB (higher: A better).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,7 +47,8 @@ from .tables import (
 )
 
 KEYS = ["kind", "layer", "expert", "proj"]
-SIDE_METRICS = ("rel_err", "sqnr_db", "max_abs_err", "clip_frac")
+SIDE_METRICS = ("rel_err", "sqnr_db", "max_abs_err", "clip_frac", "nonfinite")
+VERDICTS = ("improved", "same", "worse", "non-finite")
 COMPARE_METRICS = ("rel_err", "max_abs_err")
 # config.json fields that fix the expert grid; a mismatch in any is a different architecture
 ARCH_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size",
@@ -131,12 +137,13 @@ def check_same_architecture(named: list[tuple[str, object]]) -> None:
                     f"{list(ra[k])} in {first_name} but {list(rb[k])} in {name}")
 
 
-def side_errors(side: Side, *, kinds, device, progress, session=None) -> ErrorTables:
+def side_errors(side: Side, *, kinds, device, progress, select=None,
+                session=None) -> ErrorTables:
     if side.recipe is not None:
         return candidate_errors(side.reference, [side.recipe], kinds=kinds, device=device,
-                                progress=progress, session=session)
+                                progress=progress, select=select, session=session)
     return reference_errors(side.checkpoint, side.reference, kinds=kinds, device=device,
-                            progress=progress, session=session)
+                            progress=progress, select=select, session=session)
 
 
 @dataclass
@@ -148,6 +155,10 @@ class CompareResult:
     table: object  # pandas.DataFrame, one row per expert weight (see the module docstring)
     a: ErrorTables
     b: ErrorTables
+    # what was measured: "A", "B" (each side's checkpoint, or for ptq the one it quantizes)
+    # and "reference", for the report's source lines
+    checkpoints: dict = field(default_factory=dict, repr=False)
+    notes: list = field(default_factory=list, repr=False)  # lines the summary starts with
 
     @property
     def identical(self) -> bool:
@@ -160,11 +171,11 @@ class CompareResult:
 
     def counts(self, kind: str | None = "routed") -> dict[str, int]:
         t = self.table if kind is None else self.table[self.table.kind == kind]
-        return {v: int((t.verdict == v).sum()) for v in ("improved", "same", "worse")}
+        return {v: int((t.verdict == v).sum()) for v in VERDICTS}
 
     def summary(self, worst: int = 5) -> str:
         t, m = self.table, self.metric
-        lines = [f"A = {self.a_label}", f"B = {self.b_label}",
+        lines = [*self.notes, f"A = {self.a_label}", f"B = {self.b_label}",
                  f"metric: {m} against each side's BF16 reference; verdicts at {self.tol_pct:g}%"]
         if t.empty:
             return "\n".join(lines + ["no expert weights to compare"])
@@ -177,12 +188,23 @@ class CompareResult:
                          "no difference plots drawn")
             return "\n".join(lines)
         for kind, g in t.groupby("kind", sort=False):
-            c = {v: int((g.verdict == v).sum()) for v in ("improved", "same", "worse")}
-            mean_a, mean_b = float(g[f"a_{m}"].mean()), float(g[f"b_{m}"].mean())
+            c = {v: int((g.verdict == v).sum()) for v in VERDICTS}
+            fin = g[g.verdict != "non-finite"]  # means over the weights both sides hold finite
+            mean_a, mean_b = float(fin[f"a_{m}"].mean()), float(fin[f"b_{m}"].mean())
             rel = 100 * (mean_a - mean_b) / mean_b if mean_b else math.nan
+            bad = f", NON-FINITE {c['non-finite']} (left out of the means)" \
+                if c["non-finite"] else ""
             lines.append(f"{kind:6s} {len(g):5d} weights: mean {m} A {mean_a:.4g} vs B "
                          f"{mean_b:.4g} ({rel:+.2f}%); improved {c['improved']}, same "
-                         f"{c['same']}, worse {c['worse']}")
+                         f"{c['same']}, worse {c['worse']}{bad}")
+        nonfinite = t[t.verdict == "non-finite"]
+        if len(nonfinite):
+            lines.append("non-finite weights (NaN/Inf in A or B: no change to judge):")
+            lines += [f"  {'' if r.kind == 'routed' else r.kind + ' '}layer {r.layer:3d} expert "
+                      f"{r.expert:4d} {r.proj:4s} A {_nonfinite_of(r, 'a')}, B "
+                      f"{_nonfinite_of(r, 'b')}" for r in nonfinite.head(20).itertuples()]
+            if len(nonfinite) > 20:
+                lines.append(f"  and {len(nonfinite) - 20} more (compare.csv lists them)")
         routed = t[t.kind == "routed"]
         fin = routed[routed.change_pct.map(math.isfinite)]
         for title, part in (("most improved", fin.nsmallest(worst, "change_pct")),
@@ -208,15 +230,17 @@ class CompareResult:
     def __repr__(self) -> str:
         c = self.counts(None)
         state = "identical" if self.identical else \
-            f"improved {c['improved']}, same {c['same']}, worse {c['worse']}"
+            f"improved {c['improved']}, same {c['same']}, worse {c['worse']}" + \
+            (f", non-finite {c['non-finite']}" if c["non-finite"] else "")
         return (f"CompareResult(A={self.a_label!r}, B={self.b_label!r}, {self.metric}, "
                 f"{len(self.table)} weights: {state})")
 
 
 def compare(a, b, reference=None, *, metric: str = "rel_err", tol_pct: float = 1.0,
             kinds=("routed", "shared", "dense"), device: str | None = None,
-            progress: bool = True) -> CompareResult:
-    """Compare A and B expert by expert against ``reference`` (see the module docstring)."""
+            progress: bool = True, select=None) -> CompareResult:
+    """Compare A and B expert by expert against ``reference`` (see the module docstring),
+    over the layers / experts ``select`` keeps (a ``Selection``; None: all)."""
     if metric not in COMPARE_METRICS:
         raise CompareError(f"metric must be one of {COMPARE_METRICS}, got {metric!r}")
     if not (isinstance(tol_pct, (int, float)) and math.isfinite(tol_pct) and tol_pct >= 0):
@@ -228,10 +252,15 @@ def compare(a, b, reference=None, *, metric: str = "rel_err", tol_pct: float = 1
              ("A's reference", sa.reference), ("B's reference", sb.reference)]
     check_same_architecture(named)
     session = Session()  # B's side finds the graphs A's compiled
-    ta = side_errors(sa, kinds=kinds, device=device, progress=progress, session=session)
-    tb = side_errors(sb, kinds=kinds, device=device, progress=progress, session=session)
+    ta = side_errors(sa, kinds=kinds, device=device, progress=progress, select=select,
+                     session=session)
+    tb = side_errors(sb, kinds=kinds, device=device, progress=progress, select=select,
+                     session=session)
+    sides = {"A": sa.checkpoint or sa.reference, "B": sb.checkpoint or sb.reference}
+    if ref is not None:
+        sides["reference"] = ref
     return CompareResult(sa.label, sb.label, metric, float(tol_pct),
-                         combine(ta.experts, tb.experts, metric, tol_pct), ta, tb)
+                         combine(ta.experts, tb.experts, metric, tol_pct), ta, tb, sides)
 
 
 def combine(a, b, metric: str = "rel_err", tol_pct: float = 1.0):
@@ -248,12 +277,25 @@ def combine(a, b, metric: str = "rel_err", tol_pct: float = 1.0):
     if "a_sqnr_db" in t and "b_sqnr_db" in t:
         # inf - inf (both exact) is no gain
         t["sqnr_gain_db"] = [0.0 if x == y else x - y for x, y in zip(t.a_sqnr_db, t.b_sqnr_db)]
-    t["verdict"] = ["improved" if c < -tol_pct else ("worse" if c > tol_pct else "same")
-                    for c in t["change_pct"]]
+    bad = va.isna() | vb.isna()
+    for side in ("a", "b"):
+        if f"{side}_nonfinite" in t:
+            bad |= t[f"{side}_nonfinite"] > 0
+    # strict: a change of exactly tol_pct is "same", so tol_pct=0 never calls equal errors better
+    t["verdict"] = ["non-finite" if b else
+                    ("improved" if c < -tol_pct else ("worse" if c > tol_pct else "same"))
+                    for c, b in zip(t["change_pct"], bad)]
     order = {"routed": 0, "shared": 1, "dense": 2}
     t = t.sort_values(["kind", "layer", "expert", "proj"], key=lambda s: s.map(order)
                       if s.name == "kind" else s, kind="stable").reset_index(drop=True)
     return pd.DataFrame(t)
+
+
+def _nonfinite_of(r, side: str) -> str:
+    n = getattr(r, f"{side}_nonfinite", None)
+    if n is not None and n > 0:
+        return f"{int(n)} NaN/Inf value{'s' if n != 1 else ''}"
+    return "finite" if math.isfinite(getattr(r, f"{side}_rel_err")) else "NaN error"
 
 
 def reference_detail(ck, reference, layer: int, expert: int, proj: str, *,

@@ -18,6 +18,7 @@ import torch
 from workbench._io import atomic_open, atomic_write_text
 from workbench.formats import parse_recipe
 
+from .metrics import nonfinite_rows
 from .tables import ErrorTables, candidate_errors, reference_errors, stored_vs_recipes
 
 DENSE_DEFAULT = ("mxfp4:rceil", "mxfp4:floor", "nvfp4:torchao")
@@ -40,6 +41,9 @@ class InspectResult:
         if not df.empty:
             means = df[df.kind == "routed"].groupby("recipe")["rel_err"].mean()
             parts.append("mean routed rel_err " + ", ".join(f"{r} {v:.4g}" for r, v in means.items()))
+            n_bad = len(nonfinite_weights(df))
+            if n_bad:
+                parts.append(f"{n_bad} weights with NaN/Inf values")
         parts.append(f"{len(self.figures)} figures")
         return f"InspectResult({', '.join(parts)})"
 
@@ -95,10 +99,12 @@ def _stored_formats(ck) -> list[str]:
 
 
 def inspect_checkpoint(ck, recipes=None, reference=None, *, progress: bool = True,
-                       device: str | None = None) -> InspectResult:
+                       device: str | None = None, select=None) -> InspectResult:
+    """The question ``ck`` invites (see the module docstring), over the layers / experts
+    ``select`` keeps (a ``Selection``; None: all)."""
     import pandas as pd
 
-    kw = {"progress": progress, "device": device}
+    kw = {"progress": progress, "device": device, "select": select}
     fmts = _stored_formats(ck)
     if reference is not None:
         t = reference_errors(ck, reference, **kw)
@@ -119,26 +125,69 @@ def inspect_checkpoint(ck, recipes=None, reference=None, *, progress: bool = Tru
     return InspectResult(question, t, summarize(t.experts, question, ck.path))
 
 
+def nonfinite_weights(df):
+    """One row per weight (kind, layer, expert, proj) holding NaN/Inf values, with ``nonfinite``
+    (how many; empty without the column, e.g. a table saved by an older workbench)."""
+    if "nonfinite" not in df or df.empty:
+        return df.iloc[0:0]
+    bad = df[df.nonfinite > 0]
+    return bad.drop_duplicates(["kind", "layer", "expert", "proj"]).sort_values(
+        ["kind", "layer", "expert", "proj"], kind="stable")
+
+
+def _weight_name(r) -> str:
+    kind = "" if r.kind == "routed" else f"{r.kind} "
+    return f"{kind}layer {r.layer} expert {r.expert} {r.proj}"
+
+
+def nonfinite_line(df, limit: int = 8) -> str | None:
+    """One line naming the weights that hold NaN/Inf values (None when there are none): the
+    summary's warning, and what `workbench inspect` prints on stderr."""
+    w = nonfinite_weights(df)
+    if w.empty:
+        return None
+    names = [f"{_weight_name(r)} ({r.nonfinite} value{'s' if r.nonfinite != 1 else ''})"
+             for r in w.head(limit).itertuples()]
+    more = f", and {len(w) - limit} more" if len(w) > limit else ""
+    return (f"{len(w)} expert weights hold non-finite values (NaN/Inf, as stored or decoded): "
+            f"{', '.join(names)}{more}; their rows have NaN metrics and are left out of the "
+            "means and ranks")
+
+
 def summarize(df, question: str, path, worst: int = 5) -> str:
     lines = [f"workbench inspect {path}", f"question: {question}"]
     if df.empty:
         return "\n".join(lines + ["no quantizable expert weights found"])
+    warn = nonfinite_line(df)
+    if warn:
+        lines.append(f"WARNING: {warn}")
     cols = [c for c in ("rel_err", "sqnr_db", "max_abs_err", "clip_frac", "zero_frac",
                         "scale_mismatch_frac", "code_mismatch_frac") if c in df]
+    # rows whose sums met a NaN/Inf would make every mean NaN (or vanish from it unsaid)
+    bad = nonfinite_rows(df)
+    finite = df[~bad]
     # recipes that reproduce their grid exactly get one line below, not a row of zeros
     exact = {r for r, g in df[df.kind == "routed"].groupby("recipe") if bool((g.rel_err == 0).all())}
-    shown = df[~df.recipe.isin(exact)] if len(exact) < df.recipe.nunique() else df.iloc[0:0]
+    shown = finite[~finite.recipe.isin(exact)] if len(exact) < df.recipe.nunique() else \
+        finite.iloc[0:0]
     means = shown.replace([float("inf")], float("nan")).groupby(["kind", "recipe"])[cols].mean()
     if len(means):
-        lines += ["", "per-recipe means (SQNR mean ignores exact rows):",
-                  means.to_string(float_format=lambda v: f"{v:.4g}")]
+        excluded = f"{int(bad.sum())} non-finite rows excluded; " if bad.any() else ""
+        head = f"per-recipe means over finite rows ({excluded}SQNR mean ignores exact rows):"
+        lines += ["", head, means.to_string(float_format=lambda v: f"{v:.4g}")]
     routed = df[df.kind == "routed"]
     for rec, g in routed.groupby("recipe"):
         if bool((g.rel_err == 0).all()):  # the lossless case is named, not listed
             lines += ["", f"{rec} reproduces exactly: rel_err 0 on all {len(g)} routed weights"]
             continue
-        top = g.nlargest(worst, "rel_err")
         lines.append("")
+        g_bad = g[nonfinite_rows(g)]
+        if len(g_bad):
+            lines.append(f"non-finite routed experts for {rec} (not ranked):")
+            lines += [f"  layer {r.layer:3d} expert {r.expert:4d} {r.proj:4s}  "
+                      f"{getattr(r, 'nonfinite', 0)} non-finite values, rel_err {r.rel_err:.4g}"
+                      for r in g_bad.itertuples()]
+        top = g[~nonfinite_rows(g)].nlargest(worst, "rel_err")
         lines.append(f"worst {len(top)} routed experts for {rec} (rel_err):")
         lines += [f"  layer {r.layer:3d} expert {r.expert:4d} {r.proj:4s}  rel_err {r.rel_err:.4g}  "
                   f"sqnr {r.sqnr_db:.2f} dB  clip {r.clip_frac:.3g}" for r in top.itertuples()]

@@ -116,7 +116,7 @@ def metrics_from_sums(sig: float, noise: float, cross: float, energy: float, max
     norm_ref, norm_out = math.sqrt(sig), math.sqrt(energy)
     return {
         "rel_err": math.sqrt(noise) / norm_ref if norm_ref else (0.0 if noise == 0 else math.inf),
-        "sqnr_db": 10 * math.log10(sig / noise) if noise else math.inf,
+        "sqnr_db": _db(sig, noise),
         "max_abs_err": max_abs_err,
         "cosine": cross / (norm_ref * norm_out) if norm_ref and norm_out else
         (1.0 if norm_ref == norm_out else 0.0),
@@ -124,6 +124,34 @@ def metrics_from_sums(sig: float, noise: float, cross: float, energy: float, max
         "clip_frac": clip_frac,
         "zero_frac": zero_frac,
     }
+
+
+def _db(sig: float, noise: float) -> float:
+    """10 log10(sig / noise): +inf without noise, -inf for noise on a zero (or vanishing)
+    signal, NaN when either sum is NaN (a NaN or Inf among the values summed)."""
+    if not noise:
+        return math.inf
+    ratio = sig / noise
+    return 10 * math.log10(ratio) if ratio > 0 else (-math.inf if ratio == 0 else math.nan)
+
+
+def nonfinite_rows(df):
+    """Boolean mask of table rows whose sums met a NaN or Inf: SQNR NaN or -inf. Any
+    non-finite value among a weight's inputs makes its noise sum NaN or +inf, and so does
+    nothing else but an fp32 overflow of the sums or a zero reference with nonzero error;
+    those rows are then counted exactly (``tables``), where they give 0."""
+    s = df["sqnr_db"].astype(float)
+    return s.isna() | (s == -math.inf)
+
+
+def count_nonfinite(*tensors: torch.Tensor) -> int:
+    """Elements that are NaN or +-Inf in any of the same-shape ``tensors`` (each counted
+    once)."""
+    bad = None
+    for t in tensors:
+        b = ~torch.isfinite(t)
+        bad = b if bad is None else bad | b
+    return int(bad.sum()) if bad is not None else 0
 
 
 def grid_mismatch(a: QuantizedTensor, b: QuantizedTensor) -> dict[str, float]:

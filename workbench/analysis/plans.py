@@ -23,9 +23,10 @@ What "auto" decides: ``batched`` on CUDA; on CPU ``fused`` for jobs of at least
 ``COMPILE_ELEMENTS`` elements (a first compile costs seconds, which a large job repays) and
 ``batched`` below, unless the caller's ``Session`` has run this job's graphs already (every unit
 of ``job_units`` recorded by an earlier fused call: nothing left to compile, so ``fused`` at any
-size) and no compile has failed in it. A checkpoint whose shards are not local files
-(``checkpoint.stacks.local_files``) takes ``reference``. The reader: ``window`` on CUDA,
-``safetensors`` on CPU (see ``READER_WHY``).
+size) and no compile has failed in it. The reader: ``window`` on CUDA, ``safetensors`` on CPU
+(see ``READER_WHY``); a checkpoint whose shards are not all local files (``ck.is_local``, a
+remote folder read by byte ranges) takes ``preadv``, whatever was asked: its ranged reads run
+in parallel, where a window would fetch the bytes between the tensors asked for.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from types import MappingProxyType
 import torch
 
 from workbench.checkpoint.layouts import FMT_OF_CODEC
-from workbench.checkpoint.stacks import READERS, ReadPlan, local_files, plan_batches, signature
+from workbench.checkpoint.select import as_selection
+from workbench.checkpoint.stacks import READERS, ReadPlan, plan_batches, signature
 from workbench.formats import Recipe, parse_recipe
 
 from . import fused
@@ -64,6 +66,8 @@ CPU_WINDOW_BYTES = 16 << 20  # on CPU (only when asked for): bounds memory as th
 READER_WHY = MappingProxyType({
     "cuda": "auto on cuda: each shard read front to back in large spans",
     "cpu": "auto on cpu: the math sets the pace there; the least memory"})
+REMOTE_WHY = ("shards not all local: ranged reads in parallel (a window would fetch the bytes "
+              "between the tensors asked for)")
 CLOSED, COMPILED_PASS, BATCHED = "closed form", "compiled", "batched"
 
 
@@ -151,9 +155,13 @@ class AnalysisPlan:
 # -- what a call works on ----------------------------------------------------------------------
 
 
-def records(ck, kinds: Iterable[str]) -> list:
-    kinds = tuple(kinds)
-    return [r for r in ck.expert_records() if r.kind in kinds]
+def records(ck, kinds: Iterable[str], select=None) -> list:
+    """The records a question covers: of ``kinds``, kept by ``select`` (a
+    ``workbench.checkpoint.select.Selection``; None: all), which must keep something."""
+    kinds, sel = tuple(kinds), as_selection(select)
+    recs = [r for r in ck.expert_records() if r.kind in kinds]
+    sel.check(recs, str(ck.path))
+    return sel.filter(recs)
 
 
 def reference_records(ck, reference, items: list) -> list:
@@ -189,12 +197,12 @@ class Job:
         return sum(self.sizes) * max(1, len(self.recipes))
 
 
-def job(question: str, ck, other, kinds: Iterable[str] = KINDS) -> Job:
+def job(question: str, ck, other, kinds: Iterable[str] = KINDS, select=None) -> Job:
     """The work of ``question`` on ``ck``; ``other``: the recipes (questions 1 and 3) or the
-    BF16 reference checkpoint (question 2)."""
+    BF16 reference checkpoint (question 2); ``select``: the layers / experts kept."""
     if question not in QUESTIONS:
         raise ValueError(f"question must be one of {', '.join(QUESTIONS)}, got {question!r}")
-    items = records(ck, kinds)
+    items = records(ck, kinds, select)
     refs, recipes = None, ()
     keys = [signature(ck, r) for r in items]
     if question == "reference_errors":
@@ -226,14 +234,17 @@ def _default_batch(device: torch.device) -> int:
     return CUDA_BATCH_ELEMENTS if device.type == "cuda" else CPU_BATCH_ELEMENTS
 
 
-def read_plan(device: torch.device, reader: str = "auto", workers: int | None = None
-              ) -> tuple[ReadPlan, str]:
-    """(the reads on ``device`` with ``reader``, "auto" resolved per device; why that reader)."""
+def read_plan(device: torch.device, reader: str = "auto", workers: int | None = None,
+              local: bool = True) -> tuple[ReadPlan, str]:
+    """(the reads on ``device`` with ``reader``, "auto" resolved per device; why that reader).
+    Shards that are not all local (``local`` False) are read with ``preadv``."""
     if reader not in ("auto", *READERS):
         raise ValueError(f"reader must be one of auto, {', '.join(READERS)}, got {reader!r}")
     cuda = device.type == "cuda"
     why = "asked for"
-    if reader == "auto":
+    if not local and reader in ("auto", "window"):
+        reader, why = "preadv", REMOTE_WHY
+    elif reader == "auto":
         reader, why = ("window" if cuda else "safetensors"), READER_WHY["cuda" if cuda else "cpu"]
     cpus = os.cpu_count() or 2
     if cuda:
@@ -246,18 +257,12 @@ def read_plan(device: torch.device, reader: str = "auto", workers: int | None = 
 # -- the decisions -------------------------------------------------------------------------------
 
 
-def _path(path: str, device: torch.device, elements: int, units: frozenset, session: Session,
-          local: bool) -> tuple[str, str]:
+def _path(path: str, device: torch.device, elements: int, units: frozenset, session: Session
+          ) -> tuple[str, str]:
     if path not in PATHS:
         raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
     if path != "auto":
-        if path != "reference" and not local:
-            raise ValueError(f"the {path} path reads local shard files; this checkpoint's are "
-                             "not local: use path='reference' (or 'auto')")
         return path, "asked for"
-    if not local:
-        return "reference", ("default for shards that are not local files: the stack readers "
-                             "read local files")
     if device.type == "cuda":
         return "batched", "default on CUDA: expert stacks per launch"
     if elements >= COMPILE_ELEMENTS:
@@ -309,16 +314,18 @@ def _route(question: str, stored: str | None, recipe: Recipe | None, device: tor
     return Route(stored, name, (*passes, BATCHED), "; ".join(why))
 
 
-def plan(question: str, ck, other, *, kinds: Iterable[str] = KINDS, device: str | None = None,
-         path: str = "auto", reader: str = "auto", workers: int | None = None,
-         compiled: str = "measured", session: Session | None = None) -> AnalysisPlan:
+def plan(question: str, ck, other, *, kinds: Iterable[str] = KINDS, select=None,
+         device: str | None = None, path: str = "auto", reader: str = "auto",
+         workers: int | None = None, compiled: str = "measured",
+         session: Session | None = None) -> AnalysisPlan:
     """The plan of table function ``question`` ("candidate_errors", "reference_errors",
     "stored_vs_recipes") on ``ck`` with ``other`` (the recipes, or question 2's BF16 reference
-    checkpoint). ``path``: auto | reference | batched | fused; ``reader``: auto | window |
+    checkpoint), over the layers / experts ``select`` keeps (a ``Selection``; None: all).
+    ``path``: auto | reference | batched | fused; ``reader``: auto | window |
     preadv | safetensors; ``compiled``: "measured" (the traced codecs only where they measured
     faster) or "all"; ``session``: whose compiled graphs "auto" may count on (None: a fresh
     one's view, as a new process). ``device``: default CUDA when present."""
-    return plan_job(job(question, ck, other, kinds), ck, other, device=device, path=path,
+    return plan_job(job(question, ck, other, kinds, select), ck, other, device=device, path=path,
                     reader=reader, workers=workers, compiled=compiled, session=session)
 
 
@@ -329,10 +336,10 @@ def plan_job(j: Job, ck, other, *, device: str | torch.device | None = None,
     dev = torch.device(device) if device is not None else \
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
     session = Session() if session is None else session
-    reads, reader_why = read_plan(dev, reader, workers)
+    local = ck.is_local and (j.question != "reference_errors" or other.is_local)
+    reads, reader_why = read_plan(dev, reader, workers, local)
     units = job_units(j.question, dev, j.keys, j.sizes, j.recipes)
-    local = local_files(ck) and (j.question != "reference_errors" or local_files(other))
-    chosen, why = _path(path, dev, j.elements, units, session, local)
+    chosen, why = _path(path, dev, j.elements, units, session)
     pairs = list(dict.fromkeys((s, r) for s in j.stored for r in (j.recipes or (None,))))
     if chosen == "reference":
         routes: tuple[Route, ...] = ()

@@ -6,9 +6,13 @@
 
 Each returns ``ErrorTables(experts, scales, plan)``: ``experts`` has one row per layer x expert x
 projection x recipe with ``kind`` in routed/shared/dense (never mixed), ``scales`` the long
-scale-exponent histogram, ``plan`` the ``plans.AnalysisPlan`` that ran. Each function takes
-``plan`` (from ``plans.plan``), or builds one from ``path`` ("auto" by default), ``device`` and
-``workers``, and logs it; ``session`` (a ``Session``) carries compiled graphs from call to call.
+scale-exponent histogram, ``plan`` the ``plans.AnalysisPlan`` that ran. ``nonfinite`` counts the
+NaN/Inf values among a row's inputs (the weights as stored, decoded, and the reference's): a row
+whose sums met one has NaN metrics, and is then re-read and counted here, on every path alike.
+``select`` (a ``workbench.checkpoint.select.Selection``) restricts a question to some layers /
+experts: only their bytes are read. Each function takes ``plan`` (from ``plans.plan``), or builds
+one from ``path`` ("auto" by default), ``device`` and ``workers``, and logs it; ``session`` (a
+``Session``) carries compiled graphs from call to call.
 This module is the reference path, which streams one weight at a time through a small thread
 pool (torch kernels release the GIL, so I/O of the next weights overlaps the math of this one);
 at most ``inflight`` weights are alive. The batched and fused paths are ``fast.py``.
@@ -30,7 +34,13 @@ from workbench.checkpoint.grid import stored_grid
 from workbench.formats import Recipe, dequantize, parse_recipe, quantize
 
 from . import fast, plans
-from .metrics import error_metrics, grid_mismatch, scale_exponents
+from .metrics import (
+    count_nonfinite,
+    error_metrics,
+    grid_mismatch,
+    nonfinite_rows,
+    scale_exponents,
+)
 from .plans import AnalysisPlan
 from .session import Session
 
@@ -115,11 +125,27 @@ def _collect(results, pd, plan: AnalysisPlan) -> ErrorTables:
     return ErrorTables(experts, scales, plan)
 
 
-def _plan(question: str, ck, other, kinds, plan: AnalysisPlan | None, session: Session, *,
-          path: str, device: str | None, workers: int | None):
+def _with_nonfinite(t: ErrorTables, items, count: Callable) -> ErrorTables:
+    """Add ``nonfinite``: ``count(record)`` for each weight whose rows met a NaN or Inf
+    (``metrics.nonfinite_rows``, the same on every path), 0 for the others."""
+    df = t.experts
+    df["nonfinite"] = 0
+    if df.empty:
+        return t
+    by_key = {(r.layer, r.expert, r.proj, r.kind): r for r in items}
+    flagged = df.loc[nonfinite_rows(df), ["layer", "expert", "proj", "kind"]].drop_duplicates()
+    for k in flagged.itertuples(index=False):
+        sel = (df.layer == k.layer) & (df.expert == k.expert) & (df.proj == k.proj) & \
+            (df.kind == k.kind)
+        df.loc[sel, "nonfinite"] = count(by_key[(k.layer, k.expert, k.proj, k.kind)])
+    return t
+
+
+def _plan(question: str, ck, other, kinds, select, plan: AnalysisPlan | None, session: Session,
+          *, path: str, device: str | None, workers: int | None):
     """(the job, the plan it runs with): ``plan`` checked against the job, or one built from
     the arguments; logged once per session."""
-    j = plans.job(question, ck, other, kinds)
+    j = plans.job(question, ck, other, kinds, select)
     if plan is None:
         plan = plans.plan_job(j, ck, other, device=device, path=path, workers=workers,
                               session=session)
@@ -144,20 +170,26 @@ def _fast(plan: AnalysisPlan, session: Session, work: Callable):
 
 def candidate_errors(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "shared", "dense"),
                      device: str | None = None, workers: int | None = None, inflight: int = 4,
-                     progress: bool = True, path: str = "auto", plan: AnalysisPlan | None = None,
+                     progress: bool = True, path: str = "auto", select=None,
+                     plan: AnalysisPlan | None = None,
                      session: Session | None = None) -> ErrorTables:
     """Question 1: each weight (decoded to BF16 if stored packed) under each candidate recipe.
 
     ``path`` picks reference / batched / fused ("auto": see ``plans``), or ``plan`` says all;
-    every path gives the reference's table (float sums to summation order)."""
+    every path gives the reference's table (float sums to summation order). ``select`` (a
+    ``Selection``) restricts the question to some layers / experts."""
     pd = _pd()
     session = Session() if session is None else session
-    j, plan = _plan("candidate_errors", ck, list(recipes), kinds, plan, session, path=path,
-                    device=device, workers=workers)
+    j, plan = _plan("candidate_errors", ck, list(recipes), kinds, select, plan, session,
+                    path=path, device=device, workers=workers)
     recs, dev, items = j.recipes, plan.device, j.items
+
+    def count(rec):
+        return count_nonfinite(ck.view_of(rec).materialize())
+
     if plan.path != "reference":
-        return _collect(_fast(plan, session, lambda: fast.candidate_results(
-            plan, session, ck, j, progress)), pd, plan)
+        return _with_nonfinite(_collect(_fast(plan, session, lambda: fast.candidate_results(
+            plan, session, ck, j, progress)), pd, plan), items, count)
 
     def work(rec):
         w = ck.view_of(rec).materialize().to(dev)
@@ -169,8 +201,8 @@ def candidate_errors(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "s
             hist.extend(h)
         return rows, hist
 
-    return _collect(_stream(items, work, "candidate recipes", plan.workers, inflight, progress),
-                    pd, plan)
+    return _with_nonfinite(_collect(_stream(items, work, "candidate recipes", plan.workers,
+                                            inflight, progress), pd, plan), items, count)
 
 
 def _stored_label(ck, rec) -> str:
@@ -180,7 +212,8 @@ def _stored_label(ck, rec) -> str:
 
 def reference_errors(ck, reference, *, kinds=("routed", "shared", "dense"),
                      device: str | None = None, workers: int | None = None, inflight: int = 4,
-                     progress: bool = True, path: str = "auto", plan: AnalysisPlan | None = None,
+                     progress: bool = True, path: str = "auto", select=None,
+                     plan: AnalysisPlan | None = None,
                      session: Session | None = None) -> ErrorTables:
     """Question 2: the checkpoint's stored weights against the same weights in ``reference``.
 
@@ -188,14 +221,19 @@ def reference_errors(ck, reference, *, kinds=("routed", "shared", "dense"),
     """
     pd = _pd()
     session = Session() if session is None else session
-    j, plan = _plan("reference_errors", ck, reference, kinds, plan, session, path=path,
+    j, plan = _plan("reference_errors", ck, reference, kinds, select, plan, session, path=path,
                     device=device, workers=workers)
     dev, items = plan.device, j.items
-    if plan.path != "reference":
-        return _collect(_fast(plan, session, lambda: fast.reference_results(
-            plan, session, ck, reference, j, lambda rec: _stored_label(ck, rec), progress)),
-            pd, plan)
     refs = dict(zip((r.key for r in items), j.refs))
+
+    def count(rec):
+        return count_nonfinite(ck.view_of(rec).materialize(),
+                               reference.view_of(refs[rec.key]).materialize())
+
+    if plan.path != "reference":
+        return _with_nonfinite(_collect(_fast(plan, session, lambda: fast.reference_results(
+            plan, session, ck, reference, j, lambda rec: _stored_label(ck, rec), progress)),
+            pd, plan), items, count)
 
     def work(rec):
         w = reference.view_of(refs[rec.key]).materialize().to(dev)
@@ -208,13 +246,13 @@ def reference_errors(ck, reference, *, kinds=("routed", "shared", "dense"),
         row, h = _rows(rec, _stored_label(ck, rec), error_metrics(w, deq, q), q)
         return [row], h
 
-    return _collect(_stream(items, work, "stored vs reference", plan.workers, inflight,
-                            progress), pd, plan)
+    return _with_nonfinite(_collect(_stream(items, work, "stored vs reference", plan.workers,
+                                            inflight, progress), pd, plan), items, count)
 
 
 def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "shared", "dense"),
                       device: str | None = None, workers: int | None = None, inflight: int = 4,
-                      progress: bool = True, path: str = "auto",
+                      progress: bool = True, path: str = "auto", select=None,
                       plan: AnalysisPlan | None = None,
                       session: Session | None = None) -> ErrorTables:
     """Question 3: re-quantize each stored packed weight's decoded values with each recipe.
@@ -225,12 +263,16 @@ def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "
     """
     pd = _pd()
     session = Session() if session is None else session
-    j, plan = _plan("stored_vs_recipes", ck, list(recipes), kinds, plan, session, path=path,
-                    device=device, workers=workers)
+    j, plan = _plan("stored_vs_recipes", ck, list(recipes), kinds, select, plan, session,
+                    path=path, device=device, workers=workers)
     recs, dev, items = j.recipes, plan.device, j.items
+
+    def count(rec):
+        return count_nonfinite(ck.view_of(rec).materialize())
+
     if plan.path != "reference":
-        return _collect(_fast(plan, session, lambda: fast.stored_results(
-            plan, session, ck, j, progress)), pd, plan)
+        return _with_nonfinite(_collect(_fast(plan, session, lambda: fast.stored_results(
+            plan, session, ck, j, progress)), pd, plan), items, count)
 
     def work(rec):
         stored = stored_grid(ck, rec)
@@ -249,8 +291,8 @@ def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "
             hist.extend(h)
         return rows, hist
 
-    return _collect(_stream(items, work, "stored grid vs recipes", plan.workers, inflight,
-                            progress), pd, plan)
+    return _with_nonfinite(_collect(_stream(items, work, "stored grid vs recipes", plan.workers,
+                                            inflight, progress), pd, plan), items, count)
 
 
 def _to(q, dev):

@@ -3,6 +3,8 @@
 ```python
 from workbench.checkpoint import open_checkpoint, CheckpointError
 ck = open_checkpoint(path)      # validates everything at open; CheckpointError subclasses
+ck = open_checkpoint("org/name@rev")   # a hub id: the HF cache first, else read by range
+ck = open_checkpoint("https://host/folder")   # any server with Range support, s3://, ...
 ck.layout                       # "compressed-tensors" | "gpt-oss" | "modelopt" | "fp8-block" | "dense"
 ck.scope.is_quantized(name)     # QuantScope built from the stored metadata, with .reason(name)
 ck.experts()                    # routed records: .layer .expert .proj .kind .name .shape
@@ -26,6 +28,7 @@ from .errors import (
                      MissingCompanionError,
                      MissingFileError,
                      MissingTensorError,
+                     RemoteReadError,
                      ShapeMismatchError,
                      UncoveredTensorError,
                      UnknownFormatError,
@@ -35,12 +38,16 @@ from .errors import (
 from .experts import ExpertRecord
 from .index import ShardIndex, TensorEntry
 from .layouts import LogicalSpec
+from .range_cache import RangeCache
+from .remote import FetchStats, RemoteOptions, RetryPolicy
+from .select import Selection
 from .views import LogicalTensor, StackView, StoredView
 
 __all__ = [
     "Checkpoint", "CheckpointError", "ConfigError", "ConfigGroup", "CorruptShardError",
-    "DtypeMismatchError", "ExpertRecord", "FormatMismatchError", "LogicalSpec", "LogicalTensor",
-    "MissingCompanionError", "MissingFileError", "MissingTensorError", "QuantConfig",
+    "DtypeMismatchError", "ExpertRecord", "FetchStats", "FormatMismatchError", "LogicalSpec",
+    "LogicalTensor", "MissingCompanionError", "MissingFileError", "MissingTensorError",
+    "QuantConfig", "RangeCache", "RemoteOptions", "RemoteReadError", "RetryPolicy", "Selection",
     "ShapeMismatchError", "ShardIndex", "StackView", "StoredView", "TensorEntry",
     "UncoveredTensorError", "UnknownFormatError", "UnsafePathError", "ValidationError",
     "WeightArgs", "load_quant_config", "open_checkpoint",

@@ -1,4 +1,4 @@
-"""`open_checkpoint`: one object over a checkpoint folder (see the package docstring)."""
+"""`open_checkpoint`: one object over a checkpoint, local or remote (see the package docstring)."""
 
 from __future__ import annotations
 
@@ -6,21 +6,53 @@ import os
 from pathlib import Path
 
 from ..scope import QuantScope
+from ..source import Source, SourceError, resolve
 from .config import load_quant_config
-from .errors import CheckpointError, MissingTensorError, ValidationError
+from .errors import CheckpointError, MissingFileError, MissingTensorError, ValidationError
 from .experts import ExpertRecord, expert_records
 from .index import ShardIndex
 from .layouts import FMT_OF_CODEC, LogicalSpec, build
+from .remote import RemoteFolder, RemoteOptions
 from .views import LogicalTensor, StackView, StoredView
 
 
 class Checkpoint:
-    """A validated, lazily read checkpoint. Build with `open_checkpoint(path)`."""
+    """A validated, lazily read checkpoint. Build with `open_checkpoint(spec)`.
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self.index = ShardIndex(self.path)
-        self.config, self.quant_config = load_quant_config(self.path)
+    ``path`` is the folder (a `RemotePath` URL for a remote one), ``source`` what the spec
+    resolved to (`workbench.source.Source`), ``is_local`` whether every read is a local one."""
+
+    def __init__(self, path: str | os.PathLike | None = None, *, source: Source | None = None,
+                 remote: RemoteOptions | None = None):
+        if source is None:
+            source = Source(os.fspath(path), "local", Path(path))
+        self.source = source
+        if source.is_local:
+            self.path = Path(source.path)
+            self.index = ShardIndex(self.path)
+            folder = None
+        else:
+            folder = RemoteFolder(source, remote)
+            self.path = folder.root
+            self.index = ShardIndex(remote=folder)
+        try:
+            self._open(folder)
+        except BaseException:
+            self.index.close()
+            raise
+
+    @property
+    def is_local(self) -> bool:
+        return self.index.is_local
+
+    @property
+    def fetch_stats(self):
+        """Bytes fetched and served from the range cache (`remote.FetchStats`); None when
+        local."""
+        return None if self.index.remote is None else self.index.remote.stats
+
+    def _open(self, folder) -> None:
+        self.config, self.quant_config = load_quant_config(self.path, folder)
         built = build(self.index, self.quant_config, self.config.get("model_type"))
         raise_all(built.problems, self.path)
         self.layout: str = built.layout
@@ -145,6 +177,18 @@ def raise_all(problems: list[CheckpointError], path: Path) -> None:
         raise ValidationError(problems, path=path)
 
 
-def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Open and validate a checkpoint folder; raises a `CheckpointError` subclass on bad input."""
-    return Checkpoint(path)
+def open_checkpoint(spec: str | os.PathLike | Source, *, remote: RemoteOptions | None = None
+                    ) -> Checkpoint:
+    """Open and validate a checkpoint; raises a `CheckpointError` subclass on bad input.
+
+    ``spec`` is a folder, a hub id (``org/name[@revision]``, ``hf://...``: the Hugging Face
+    cache first, else read by range), a URL (``https://``, ``s3://``: read by range) or a
+    resolved `Source` (see `workbench.source.resolve`; a ``Path`` is always a folder).
+    ``remote`` says how remote checkpoints are read (cache, retries, progress bar)."""
+    try:
+        source = resolve(spec)
+    except SourceError as e:
+        raise MissingFileError(str(e), path=None) from None
+    if source.is_local and not source.path.is_dir():
+        raise MissingFileError("checkpoint folder does not exist", path=source.path)
+    return Checkpoint(source=source, remote=remote)

@@ -26,7 +26,7 @@ from typing import Any
 from ..scope import Pattern
 from .errors import ConfigError, UnknownFormatError
 from .registry import CODECS as CODEC_RECORDS
-from .safe_io import checkpoint_root, present, short
+from .safe_io import CONFIG_CAP, checkpoint_root, present, short
 from .safe_io import read_json as _read_json
 
 CT_FORMATS = {  # compressed_tensors.config.CompressionFormat values (0.20.1)
@@ -111,24 +111,38 @@ def find_quant_config(model_config: dict, config_path: Path) -> dict | None:
     return q
 
 
-def load_quant_config(folder: Path) -> tuple[dict, QuantConfig]:
-    """(model config dict, parsed QuantConfig) for a checkpoint folder."""
-    folder = Path(folder)
-    root = checkpoint_root(folder)
-    cfg_path = folder / "config.json"
-    model_config = read_json(cfg_path, root) if present(cfg_path) else {}
+def load_quant_config(folder: Path, remote=None) -> tuple[dict, QuantConfig]:
+    """(model config dict, parsed QuantConfig) for a checkpoint folder, or for the remote
+    folder ``remote`` (a `remote.RemoteFolder`; ``folder`` is then its root)."""
+    folder = Path(folder) if remote is None else folder
+    root = checkpoint_root(folder) if remote is None else None
+
+    def load(name: str) -> tuple[Any, Any]:
+        """(path, parsed JSON or MISSING)."""
+        path = folder / name
+        if remote is not None:
+            doc, found = remote.read_json(name, CONFIG_CAP, what="JSON file")
+            return path, doc if found else _MISSING
+        return path, read_json(path, root) if present(path) else _MISSING
+
+    cfg_path, model_config = load("config.json")
+    if model_config is _MISSING:
+        model_config = {}
     if not isinstance(model_config, dict):
         raise ConfigError("config.json is not a JSON object", path=cfg_path)
     q = find_quant_config(model_config, cfg_path)
-    hf_path = folder / "hf_quant_config.json"
-    if q is None and present(hf_path):
-        doc = read_json(hf_path, root)
-        if not isinstance(doc, dict) or not isinstance(doc.get("quantization"), dict):
-            raise ConfigError("hf_quant_config.json has no 'quantization' object", path=hf_path)
-        return model_config, parse_modelopt(doc["quantization"], hf_path)
     if q is None:
+        hf_path, doc = load("hf_quant_config.json")
+        if doc is not _MISSING:
+            if not isinstance(doc, dict) or not isinstance(doc.get("quantization"), dict):
+                raise ConfigError("hf_quant_config.json has no 'quantization' object",
+                                  path=hf_path)
+            return model_config, parse_modelopt(doc["quantization"], hf_path)
         return model_config, QuantConfig(method="dense", source=None)
     return model_config, parse_quant_config(q, cfg_path)
+
+
+_MISSING = object()
 
 
 def parse_quant_config(q: dict, path: Path) -> QuantConfig:

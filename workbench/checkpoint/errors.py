@@ -52,6 +52,10 @@ class CorruptShardError(CheckpointError):
     """A safetensors shard is empty, truncated, or has an inconsistent header."""
 
 
+class RemoteReadError(CheckpointError):
+    """A remote file could not be read: an HTTP error, a short or wrong reply, retries spent."""
+
+
 class ConfigError(CheckpointError):
     """config.json / hf_quant_config.json / the index JSON is malformed or inconsistent."""
 

@@ -14,6 +14,12 @@ read must return its full byte count (a shard truncated after indexing is a
 `CorruptShardError`, never garbage). Other selections (strided rows) copy `read`'s result.
 The index lock guards only the handle and descriptor caches and the stats, never a copy.
 
+A remote checkpoint (``ShardIndex(remote=RemoteFolder)``, see remote.py) goes through the same
+header checks (`check_header`: the header bytes come by range, the size from the server) and
+the same reads: `read_into` and `read_span` fill their buffers from range requests instead of
+preadv, and `read` takes one range per selection (`_read_ranged`). Shards already on local disk
+(a partial cache snapshot) are read locally, each file by the path its entries carry.
+
 Safety: shard names from `model.safetensors.index.json` must be plain relative file names
 (no absolute path, no `..`, no `.`), and every shard must be a regular file resolving inside the
 checkpoint root (`safe_io.checkpoint_root`: the folder, or for a Hugging Face hub cache snapshot
@@ -29,6 +35,8 @@ import re
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -44,6 +52,7 @@ from .errors import (
     UnsafePathError,
     ValidationError,
 )
+from .remote import RemotePath
 from .safe_io import (
     INDEX_CAP,
     checkpoint_root,
@@ -154,25 +163,36 @@ def selection(shape: tuple[int, ...], index: tuple) -> tuple[tuple[int, ...], in
     return (*out, *rest), (first if contiguous else None), count
 
 
-def parse_header(path: Path, root: Path | None = None) -> dict[str, TensorEntry]:
+def parse_header(path: Path, root: Path | None = None, *, remote=None
+                 ) -> dict[str, TensorEntry]:
     """Read and fully check one shard's header; never reads tensor data. The shard must be a
-    regular file inside `root` (default: its own folder)."""
+    regular file inside `root` (default: its own folder), or a file of the `RemoteFolder`
+    ``remote``, whose header bytes are fetched by range and checked by the same code."""
+    if remote is not None:
+        size, head = remote.open_shard(path)
+        return check_header(path, size, head, lambda n: remote.read(path, 8, 8 + n, data=False))
     root = checkpoint_root(path.parent) if root is None else root
     fd, size = open_regular(path, root)
     try:
-        head = _read_exact(fd, 8)
-        if len(head) < 8:
-            raise CorruptShardError(f"shard is {size} bytes: too short for a safetensors "
-                                    "header (empty or truncated file)", path=path)
-        (n,) = struct.unpack("<Q", head)
-        if n == 0 or n > MAX_HEADER or 8 + n > size:
-            raise CorruptShardError(f"header length {n} does not fit a {size}-byte file "
-                                    "(corrupt header or truncated file)", path=path)
-        raw = _read_exact(fd, n)
+        return check_header(path, size, _read_exact(fd, 8), lambda n: _read_exact(fd, n))
     except OSError as e:
         raise MissingFileError(f"cannot read shard: {e}", path=path) from e
     finally:
         os.close(fd)
+
+
+def check_header(path, size: int, head: bytes, read: Callable[[int], bytes]
+                 ) -> dict[str, TensorEntry]:
+    """The entries of a shard of ``size`` bytes whose first bytes are ``head``; ``read(n)``
+    gives the ``n`` header bytes after them. Every offset is checked against ``size``."""
+    if len(head) < 8:
+        raise CorruptShardError(f"shard is {size} bytes: too short for a safetensors "
+                                "header (empty or truncated file)", path=path)
+    (n,) = struct.unpack("<Q", head[:8])
+    if n == 0 or n > MAX_HEADER or 8 + n > size:
+        raise CorruptShardError(f"header length {n} does not fit a {size}-byte file "
+                                "(corrupt header or truncated file)", path=path)
+    raw = read(n)
     if len(raw) < n:
         raise CorruptShardError(f"header of {n} bytes, file ended after {len(raw)}", path=path)
     try:
@@ -255,13 +275,12 @@ def safe_shard_path(folder: Path, name: str, *, source: Path, tensor: str | None
 
 
 class ShardIndex:
-    """All tensors of a checkpoint folder; see the module docstring."""
+    """All tensors of a checkpoint folder, or of a `remote.RemoteFolder` (``remote=``: the
+    same checks and reads, each read a byte range); see the module docstring."""
 
-    def __init__(self, folder: str | os.PathLike, *, max_open: int = 8):
-        self.folder = Path(folder)
-        if not self.folder.is_dir():
-            raise MissingFileError("checkpoint folder does not exist", path=self.folder)
-        self.root = checkpoint_root(self.folder)
+    def __init__(self, folder: str | os.PathLike | None = None, *, max_open: int = 8,
+                 remote=None):
+        self.remote = remote
         self.stats = IndexStats()
         self._max_open = max_open
         self._handles: OrderedDict[Path, object] = OrderedDict()
@@ -270,52 +289,123 @@ class ShardIndex:
         self.entries: dict[str, TensorEntry] = {}
         self.files: list[Path] = []
         self._ends: dict[Path, int] | None = None  # per shard, where its last tensor ends
+        if remote is not None:
+            # a hybrid: shards already on local disk are read there, the others by range
+            self.folder, self.root = remote.root, remote.local_root
+        else:
+            self.folder = Path(folder)
+            if not self.folder.is_dir():
+                raise MissingFileError("checkpoint folder does not exist", path=self.folder)
+            self.root = checkpoint_root(self.folder)
         self._build()
+
+    def relname(self, path) -> str:
+        """The name of shard ``path`` relative to the checkpoint folder (as an index writes
+        it)."""
+        if isinstance(path, RemotePath):
+            return path.url[len(self.folder.url) + 1:]
+        base = self.remote.local if self.remote is not None else self.folder
+        return Path(path).relative_to(base).as_posix()
+
+    @property
+    def is_local(self) -> bool:
+        """Every byte is read from local files (else by range from a server)."""
+        return self.remote is None
+
+    # -- the folder's files, local or remote -------------------------------------------------
+    def _shard(self, name, *, source, tensor: str | None = None):
+        """The checked path of a shard the index (or the folder) names."""
+        if self.remote is None:
+            return safe_shard_path(self.folder, name, source=source, tensor=tensor,
+                                   root=self.root)
+        path = self.remote.path(name, source=source, tensor=tensor)  # the remote name rules
+        if self.remote.local_file(name) is not None:
+            return safe_shard_path(self.remote.local, name, source=source, tensor=tensor,
+                                   root=self.root)
+        return path
+
+    def _header(self, path) -> dict[str, TensorEntry]:
+        return parse_header(path, self.root,
+                            remote=self.remote if isinstance(path, RemotePath) else None)
+
+    def _headers(self, paths: list) -> list:
+        """Each shard's entries, or the CheckpointError it raised; a remote folder's headers
+        are fetched a few at a time (each is two round trips)."""
+        def one(p):
+            try:
+                return self._header(p)
+            except CheckpointError as e:
+                return e
+
+        if self.remote is None or len(paths) < 2:
+            return [one(p) for p in paths]
+        with ThreadPoolExecutor(max_workers=min(16, len(paths))) as pool:
+            return list(pool.map(one, paths))
 
     def _build(self) -> None:
         idx = self.folder / INDEX_FILE
-        if present(idx):
-            self._build_from_index(idx)
+        if self.remote is not None:
+            doc, found = self.remote.read_json(INDEX_FILE, INDEX_CAP, what="index")
+            if found:
+                return self._build_from_doc(doc, idx)
+            try:
+                return self._add_file(self._shard(SINGLE_FILE, source=self.folder))
+            except MissingFileError:
+                names = self.remote.list_names()
+            if names is None:
+                raise MissingFileError(f"no {INDEX_FILE} or {SINGLE_FILE} (and this server "
+                                       "cannot list its files)", path=self.folder) from None
+            files = [n for n in names if n.endswith(".safetensors") and "/" not in n]
+        elif present(idx):
+            return self._build_from_doc(
+                parse_json(read_capped(idx, self.root, INDEX_CAP, what="index"), idx), idx)
         elif present(self.folder / SINGLE_FILE):
-            self._add_file(safe_shard_path(self.folder, SINGLE_FILE, source=self.folder,
-                                           root=self.root))
+            return self._add_file(self._shard(SINGLE_FILE, source=self.folder))
         else:
-            # e.g. per-rank Megatron exports `model-ep0.safetensors`, ...: take them all
             files = sorted(p.name for p in self.folder.glob("*.safetensors"))
-            if not files:
-                raise MissingFileError(f"no {INDEX_FILE}, {SINGLE_FILE} or *.safetensors file",
-                                       path=self.folder)
-            for name in files:
-                m = EP_FILE.search(Path(name).stem.lower())
-                self._add_file(safe_shard_path(self.folder, name, source=self.folder,
-                                               root=self.root),
-                               ep_rank=int(m.group(1)) if m else None)
+        # e.g. per-rank Megatron exports `model-ep0.safetensors`, ...: take them all
+        if not files:
+            raise MissingFileError(f"no {INDEX_FILE}, {SINGLE_FILE} or *.safetensors file",
+                                   path=self.folder)
+        for name in files:
+            m = EP_FILE.search(Path(name).stem.lower())
+            self._add_file(self._shard(name, source=self.folder),
+                           ep_rank=int(m.group(1)) if m else None)
 
-    def _build_from_index(self, idx: Path) -> None:
-        doc = parse_json(read_capped(idx, self.root, INDEX_CAP, what="index"), idx)
+    def _build_from_doc(self, doc, idx) -> None:
         wmap = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wmap, dict) or not wmap:
             raise ConfigError("index has no non-empty 'weight_map' object", path=idx)
-        headers: dict[str, dict[str, TensorEntry] | None] = {}
         problems: list[CheckpointError] = []
+        shards: dict[str, object] = {}  # file name -> its path, or the error naming it
+        first: dict[str, str] = {}  # file name -> the first tensor the index maps there
         for tname, fname in wmap.items():
             if not isinstance(fname, str):
                 problems.append(UnsafePathError(f"weight_map value {fname!r:.80} is not a file "
                                                 "name", path=idx, tensor=tname))
                 continue
-            if fname not in headers:
-                headers[fname] = None
-                try:  # check every shard, then report all problems together
-                    full = safe_shard_path(self.folder, fname, source=idx, tensor=tname,
-                                           root=self.root)
-                    headers[fname] = parse_header(full, self.root)
-                    self.files.append(full)
+            if fname not in shards:
+                first[fname] = tname
+                try:
+                    shards[fname] = self._shard(fname, source=idx, tensor=tname)
                 except CheckpointError as e:
-                    if e.tensor is None:  # name a tensor the index sends to this shard
-                        e = type(e)(f"{e.detail} (the index maps {tname!r} here)",
-                                    path=e.path, tensor=tname)
-                    problems.append(e)
-            if headers[fname] is None:
+                    shards[fname] = e
+        ok = [f for f, p in shards.items() if not isinstance(p, CheckpointError)]
+        headers: dict[str, dict[str, TensorEntry] | None] = dict.fromkeys(shards)
+        for fname, got in zip(ok, self._headers([shards[f] for f in ok])):
+            if isinstance(got, CheckpointError):
+                shards[fname] = got
+            else:
+                headers[fname] = got
+                self.files.append(shards[fname])
+        for fname, p in shards.items():  # check every shard, then report all problems together
+            if isinstance(p, CheckpointError):
+                if p.tensor is None:  # name a tensor the index sends to this shard
+                    p = type(p)(f"{p.detail} (the index maps {first[fname]!r} here)",
+                                path=p.path, tensor=first[fname])
+                problems.append(p)
+        for tname, fname in wmap.items():
+            if not isinstance(fname, str) or headers[fname] is None:
                 continue
             entry = headers[fname].get(tname)
             if entry is None:
@@ -330,7 +420,7 @@ class ShardIndex:
             raise ValidationError(problems, path=idx)
 
     def _add_file(self, path: Path, ep_rank: int | None = None) -> None:
-        for name, entry in parse_header(path, self.root).items():
+        for name, entry in self._header(path).items():
             if ep_rank is not None and ".experts." in name:
                 # per-rank files reuse local expert names: keep them apart (see experts.py)
                 name = f"{name}@ep{ep_rank}"
@@ -399,6 +489,10 @@ class ShardIndex:
         `index` holds ints and slices (steps allowed), one per leading dimension.
         """
         e = self.entry(name)
+        if isinstance(e.file, RemotePath):
+            out = self._read_ranged(e, name, index)
+            self._count(name, out.numel() * out.element_size())
+            return out
         with self._lock:
             h = self._handle(e.file)
         # the copy runs unlocked: safetensors' handle methods take `&self`, get_slice clones an
@@ -432,19 +526,73 @@ class ShardIndex:
             raise ValueError(f"{name}: read_into needs a contiguous CPU {e.dtype} tensor of "
                              f"shape {shape}, got {out.dtype} {tuple(out.shape)} on "
                              f"{out.device}{'' if out.is_contiguous() else ' (strided)'}")
-        if first is None or not _PREADV:
+        if first is None or (not _PREADV and not isinstance(e.file, RemotePath)):
             out.copy_(self.read(name, index))
             return out
         nbytes = count * e.dtype.itemsize
         if nbytes:
             buf = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
-            fd = self._acquire_fd(e.file, name)
-            try:
-                _pread_full(fd.fd, buf, e.begin + first * e.dtype.itemsize, e, name, index)
-            finally:
-                self._release_fd(fd)
+            self._fill(e.file, buf, e.begin + first * e.dtype.itemsize, e, name, index)
         self._count(name, nbytes)
         return out
+
+    def _fill(self, path, buf: memoryview, offset: int, e: TensorEntry, name: str,
+              index: tuple) -> None:
+        """``buf`` <- the bytes of shard ``path`` from ``offset``: preadv on the shard's cached
+        descriptor, or range reads of the remote folder; complete, or an error naming the
+        file and the tensor."""
+        if isinstance(path, RemotePath):
+            self.remote.pread(path, buf, offset, tensor=name)
+            return
+        fd = self._acquire_fd(path, name)
+        try:
+            _pread_full(fd.fd, buf, offset, e, name, index)
+        finally:
+            self._release_fd(fd)
+
+    def _read_ranged(self, e: TensorEntry, name: str, index: tuple) -> torch.Tensor:
+        """``tensor[index]`` from one byte range: the leading ints fix a slab, the next entry
+        (a slice) is read from its first to its last index with every trailing dimension
+        whole (a contiguous run), and the rest of the index applies to that block. For the
+        views' selections (an expert, a span of rows) the block is exactly the selection."""
+        try:
+            shape, _, _ = selection(e.shape, index)
+        except (IndexError, TypeError) as err:
+            raise ValueError(f"{name}: bad index {index!r:.80} for shape {e.shape}: "
+                             f"{err}") from None
+        lead = 0
+        k = 0
+        while k < len(index) and not isinstance(index[k], slice):
+            i = index[k]
+            lead = lead * e.shape[k] + (i + e.shape[k] if i < 0 else i)
+            k += 1
+        if k == len(e.shape):  # one element
+            lo, hi, rest = 0, 1, ()
+            inner: tuple[int, ...] = ()
+            lead_dim = 1
+        else:
+            lead_dim = e.shape[k]
+            inner = e.shape[k + 1:]
+            if k < len(index):
+                r = range(*index[k].indices(lead_dim))
+                if r.step < 1:
+                    raise ValueError(f"{name}: slices need a positive step, got {index[k]}")
+                if not len(r):
+                    return torch.empty(shape, dtype=e.dtype)
+                lo, hi = r.start, r[-1] + 1
+                rest = (slice(r.start - lo, hi - lo, r.step), *index[k + 1:])
+            else:
+                lo, hi, rest = 0, lead_dim, ()
+        row = 1
+        for d in inner:
+            row *= d
+        block = torch.empty((hi - lo, *inner) if k < len(e.shape) else (), dtype=e.dtype)
+        if block.numel():
+            first = (lead * lead_dim + lo) * row
+            buf = memoryview(block.reshape(-1).view(torch.uint8).numpy()).cast("B")
+            self._fill(e.file, buf, e.begin + first * e.dtype.itemsize, e, name, index)
+        out = block[rest] if rest else block
+        return out.contiguous().reshape(shape)
 
     def read_span(self, path: Path, begin: int, out: torch.Tensor,
                   tensors: list[tuple[str, int]]) -> torch.Tensor:
@@ -471,13 +619,9 @@ class ShardIndex:
         if n:
             buf = memoryview(out.numpy()).cast("B")
             span = TensorEntry(name, path, torch.uint8, (n,), begin, begin + n)
-            fd = self._acquire_fd(path, name)
-            try:
-                for lo in range(0, n, SPAN_CHUNK):
-                    _pread_full(fd.fd, buf[lo:lo + SPAN_CHUNK], begin + lo, span, name,
-                                (slice(lo, min(n, lo + SPAN_CHUNK)),))
-            finally:
-                self._release_fd(fd)
+            for lo in range(0, n, SPAN_CHUNK):
+                self._fill(path, buf[lo:lo + SPAN_CHUNK], begin + lo, span, name,
+                           (slice(lo, min(n, lo + SPAN_CHUNK)),))
         asked = 0
         for t, k in tensors:
             self._count(t, k)
@@ -530,6 +674,8 @@ class ShardIndex:
             while self._fds:
                 _, fd = self._fds.popitem()
                 fd.retire()
+        if self.remote is not None:
+            self.remote.close()
 
 
 SPAN_CHUNK = 16 << 20  # read_span's request size: what a plain sequential read of a file uses

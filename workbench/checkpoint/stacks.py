@@ -76,13 +76,6 @@ class Stack:
     dense: torch.Tensor | None
 
 
-def local_files(ck) -> bool:
-    """Whether ``ck``'s shards are files on this machine, as every reader here needs (preadv on
-    a descriptor, safetensors' mmap). An index that reads elsewhere says so with a false
-    ``local`` attribute."""
-    return bool(getattr(ck.index, "local", True))
-
-
 def grid_codec(ck, rec) -> bool:
     """Whether ``rec`` is stored as a grid ``workbench.formats`` models (codes + scales)."""
     return ck.spec(rec.name).codec in FMT_OF_CODEC

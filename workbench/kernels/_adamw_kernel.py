@@ -8,7 +8,7 @@
   for bf16 masters (whose other ops stay torch's).
 
 Both can reduce the per-expert abs-max of the values they store (the NVFP4 global amax of the
-new weight version, `workbench.qat.ste.seed_amax`).
+new weight version, which the optimizer hands to its amax sink).
 
 torch's CUDA addcdiv computes, per element in fp32 (its acc type), ``a + alpha * (b / c)`` with
 an IEEE division, compiled by nvcc with contraction on, then rounds to the param dtype.

@@ -4,7 +4,7 @@ Mirrors ``workbench.formats.nvfp4_profiles`` rows ``torchao`` and ``te`` operati
 (true divisions as ``div_rn``; the global-scale scalars are computed on the device from the fp32
 amax with the same fp32 operations the reference runs on the CPU, so no host round trip).
 
-Fake quantization is bound by instruction issue near the copy rate (see NOTES.md), so the
+Fake quantization is bound by instruction issue near the copy rate (docs/kernels.md), so the
 global scalars are computed once per program when its blocks share one expert, and a tile
 whose scaled values are all finite skips the NaN bookkeeping that only specials need
 (``quantize`` always does it).

@@ -7,7 +7,7 @@
 
 Both can return the per-expert abs-max of the new values ([E, 1, ...] fp32, NaN propagating),
 bit-equal to ``param.abs().amax(dim=(-2, -1), keepdim=True).float()`` read after the write. The
-caller bumps the version counter (the optimizer does, then seeds the NVFP4 amax cache).
+caller bumps the version counter (the optimizer does, then hands the amax to its sink).
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ _INTERPRET_MAX_NB = 4096
 def _blocks_per_program(n_blocks: int, block: int) -> int:
     if _interpret():
         return max(16, min(_INTERPRET_MAX_NB, triton_next_pow2(n_blocks)))
-    # Elements per program, from the H200 sweep (jobs/bench_qdq.py --sweep, NOTES.md): MX 4096
+    # Elements per program, from the H200 sweep (jobs/bench_qdq.py --sweep): MX 4096
     # (8 KiB of bf16); NVFP4 2048, whose longer scale chain needs more registers per element,
     # so smaller tiles keep more warps resident.
     return (4096 if block == 32 else 2048) // block
@@ -162,7 +162,7 @@ def silu_mul_fake_quantize(g: torch.Tensor, u: torch.Tensor, fmt,
     GPU the same bits as those torch ops and then this module's ``fake_quantize``
     (tests/kernels/test_swiglu.py checks the silu on every bf16 input). The SwiGLU of an expert
     layer fused with the down projection's activation fake quantization: neither ``silu(g)``
-    nor the product is written (``workbench.qat.grouped.swiglu``)."""
+    nor the product is written (the QAT seam's ``down``, ``workbench.qat.grouped``)."""
     recipe, spec = _check(g, fmt, profile)
     if spec.scale != "e8m0":
         raise NotImplementedError(f"silu_mul_fake_quantize serves MX formats, not {recipe}")
@@ -278,8 +278,8 @@ def fake_quantize_experts(x: torch.Tensor, fmt, profile: str | None = None, *,
     expert (``global_amax = x.abs().amax(dim=(-2, -1))``, NaN propagating): the QAT weight
     path. Other formats have no global scale and equal ``fake_quantize``.
 
-    Two launches (amax, then quantize) whatever E is. Measured on an H200 and dropped
-    (NOTES.md): per-expert launches (bound by the host's launch rate), the quantize pass in
+    Two launches (amax, then quantize) whatever E is. Measured slower and dropped
+    (docs/kernels.md): per-expert launches (bound by the host's launch rate), the quantize pass in
     reverse tile order (no gain), and one launch interleaving expert e+1's amax with expert e's
     tiles (slower: tiles wait on amax chunks in flight, and 50 MB experts miss L2 anyway)."""
     recipe, spec = _check(x, fmt, profile)

@@ -4,9 +4,8 @@ gradients of fp32 masters that bf16 autocast cast down).
 ``widen_bf16(x)`` is ``x.float()`` bit for bit in one vectorised pass. torch 2.11's CUDA copy
 widens bf16 through its generic casting kernel (``unrolled_elementwise_kernel`` of
 ``direct_copy_kernel_cuda``, one element per thread per load; the vectorised
-``bfloat16tofloat32`` copy is ROCm-only): on an H200 it took 4.58 ms for gradients the fp32 ->
-bf16 (vectorised) copy narrows in 2.21 ms (~2.1 vs 4.4 TB/s by their sizes), 7.8 ms of weight
-gradients in a 107 ms trainer step (workbench/kernels/NOTES.md).
+``bfloat16tofloat32`` copy is ROCm-only), about half the rate of the narrowing copy of the
+same gradients (docs/kernels.md).
 """
 
 from __future__ import annotations

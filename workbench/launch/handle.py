@@ -24,7 +24,8 @@ from .spec import LaunchSpec
 
 LAUNCH_FILE = "launch.json"
 RESULT_FILE = "job_result.json"
-FORMAT = "workbench.launch/1"
+# /2: the spec is {"train": TrainConfig fields, "resources": ...}; /1 held a flat copy of them.
+FORMAT = "workbench.launch/2"
 # States after which a job never runs again (a requeued job shows REQUEUED/PENDING instead).
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
                       "BOOT_FAIL", "DEADLINE", "PREEMPTED", "REVOKED", "SPECIAL_EXIT"})
@@ -192,7 +193,9 @@ def _read_record(path: Path, what: str) -> dict:
 
 def _check_record(path: Path, record: dict) -> None:
     if record.get("format") != FORMAT:
-        raise LaunchError(f"{path}: format {record.get('format')!r}, expected {FORMAT!r}")
+        old = " (written by an older workbench; its run folder reads with workbench.track)" \
+            if record.get("format") == "workbench.launch/1" else ""
+        raise LaunchError(f"{path}: format {record.get('format')!r}, expected {FORMAT!r}{old}")
     for key in ("executor", "job_id", "submitit_folder", "spec"):
         if key not in record:
             raise LaunchError(f"{path}: missing key {key!r}")

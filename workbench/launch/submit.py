@@ -1,6 +1,7 @@
 """Submit launch specs through submitit: one job, or a sweep as one job array.
 
-Folder layout of a run (`spec.folder`, default `./runs/<name>-<time>`):
+Folder layout of a run (`spec.folder`, the trainer's `--out`; `LaunchSpec.build`'s default is
+`./runs/<name>-<time>`):
     launch.json        what JobHandle.attach needs (spec, executor, job id, submitit folder)
     submitit/          submitit's pickles and per-rank logs (<job_id>_<rank>_log.out/.err)
     metrics.jsonl, checkpoints/, result.json    written by the trainer
@@ -12,7 +13,6 @@ folder `<sweep folder>/<run name>/`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime as _dt
 import itertools
 import os
@@ -25,7 +25,7 @@ from pathlib import Path
 from workbench.train.determinism import LAUNCH_ENV as DETERMINISTIC_ENV
 
 from .handle import FORMAT, RESULT_FILE, JobHandle, LaunchError, process_token
-from .spec import LaunchSpec
+from .spec import LaunchSpec, LaunchSpecError, missing_inputs, run_name, safe_name
 
 
 def _submitit():
@@ -36,27 +36,23 @@ def _submitit():
     return submitit
 
 
-def _default_folder(spec: LaunchSpec) -> Path:
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{spec.name}-{stamp}"
-
-
 def _job_env(spec: LaunchSpec) -> dict[str, str]:
     """Environment for the tasks: PYTHONPATH (this checkout first, so the job imports the same
-    workbench as the submitter, plus spec.pythonpath) and the spec's variables."""
+    workbench as the submitter, plus resources.pythonpath) and the resources' variables."""
     import workbench
 
+    res = spec.resources
     root = str(Path(workbench.__file__).resolve().parents[1])
-    paths = list(dict.fromkeys([*spec.pythonpath, root]))
+    paths = list(dict.fromkeys([*res.pythonpath, root]))
     old = os.environ.get("PYTHONPATH")
     env = {"PYTHONPATH": ":".join(paths + ([old] if old else []))}
     # Several ranks share a node's cores: one intra-op thread pool each, sized to its CPUs.
-    env["OMP_NUM_THREADS"] = str(spec.cpus_per_task)
-    if spec.deterministic:
+    env["OMP_NUM_THREADS"] = str(res.cpus_per_task)
+    if spec.train.deterministic:
         # Set before the rank's Python starts, so no import can create a cuBLAS handle first
-        # (the trainer sets it too; spec.env may pick the other deterministic value, ":16:8").
+        # (the trainer sets it too; resources.env may pick the other deterministic value, ":16:8").
         env.update(DETERMINISTIC_ENV)
-    env.update(spec.env)
+    env.update(res.env)
     return env
 
 
@@ -65,7 +61,7 @@ def _submission_env(spec: LaunchSpec):
     """The local executor starts its controller with a copy of os.environ; set the job's variables
     there while submitting (its `setup` lines would put a shell between us and the controller,
     whose pid is the job id, and SIGINT-cancel would then stop at the shell)."""
-    if spec.executor != "local":
+    if spec.resources.executor != "local":
         yield
         return
     saved = {k: os.environ.get(k) for k in _job_env(spec)}
@@ -83,11 +79,11 @@ def _submission_env(spec: LaunchSpec):
 def make_executor(spec: LaunchSpec, submitit_folder: Path):
     """The submitit executor for a spec (its nodes, tasks, GPUs, time, partition, sbatch extras)."""
     submitit = _submitit()
-    if spec.executor == "local":
-        ex = submitit.LocalExecutor(folder=submitit_folder, max_num_timeout=spec.max_requeues)
-        ex.update_parameters(tasks_per_node=spec.tasks_per_node, nodes=1, timeout_min=spec.time_min,
-                             gpus_per_node=spec.gpus_per_node,
-                             signal_delay_s=spec.signal_delay_s)
+    res = spec.resources
+    if res.executor == "local":
+        ex = submitit.LocalExecutor(folder=submitit_folder, max_num_timeout=res.max_requeues)
+        ex.update_parameters(tasks_per_node=res.tasks_per_node, nodes=1, timeout_min=res.time_min,
+                             gpus_per_node=res.gpus_per_node, signal_delay_s=res.signal_delay_s)
         return ex
     if shutil.which("sbatch") is None:
         raise LaunchError("executor='slurm' but sbatch is not on PATH: run on a Slurm login node, "
@@ -96,87 +92,128 @@ def make_executor(spec: LaunchSpec, submitit_folder: Path):
     # sbatch exports the submitter's environment; these lines add the job's own on top.
     setup = [f"export {k}={shlex.quote(v)}" for k, v in _job_env(spec).items()]
     ex = submitit.SlurmExecutor(folder=submitit_folder, python=shlex.quote(sys.executable),
-                                max_num_timeout=spec.max_requeues)
-    params = {"job_name": f"wb-{spec.name}", "nodes": spec.nodes,
-              "ntasks_per_node": spec.tasks_per_node, "cpus_per_task": spec.cpus_per_task,
-              "time": spec.time_min, "setup": setup, "signal_delay_s": spec.signal_delay_s}
-    if spec.gpus_per_node:
-        params["gpus_per_node"] = spec.gpus_per_node
-    if spec.partition:
-        params["partition"] = spec.partition
-    if spec.sbatch:
-        params["additional_parameters"] = dict(spec.sbatch)
+                                max_num_timeout=res.max_requeues)
+    params = {"job_name": res.job_name or f"wb-{spec.name}", "nodes": res.nodes,
+              "ntasks_per_node": res.tasks_per_node, "cpus_per_task": res.cpus_per_task,
+              "time": res.time_min, "setup": setup, "signal_delay_s": res.signal_delay_s}
+    if res.gpus_per_node:
+        params["gpus_per_node"] = res.gpus_per_node
+    if res.mem:
+        params["mem"] = res.mem
+    if res.partition:
+        params["partition"] = res.partition
+    if res.sbatch:
+        params["additional_parameters"] = dict(res.sbatch)
     ex.update_parameters(**params)
     return ex
 
 
-def _job_callable(spec: LaunchSpec, run_folder: Path):
+def _job_callable(spec: LaunchSpec):
     from .job import DistributedJob
 
-    return DistributedJob(target=spec.target, argv=tuple(spec.trainer_argv(run_folder)),
-                          result_path=str(run_folder / RESULT_FILE), stop_hook=spec.stop_hook,
-                          pythonpath=spec.pythonpath, signal_delay_s=spec.signal_delay_s)
+    res = spec.resources
+    return DistributedJob(target=spec.target, argv=tuple(spec.job_argv()),
+                          result_path=str(spec.folder / RESULT_FILE), stop_hook=spec.stop_hook,
+                          pythonpath=res.pythonpath, signal_delay_s=res.signal_delay_s)
 
 
-def _prepare_run_folder(spec: LaunchSpec, run_folder: Path) -> None:
-    run_folder.mkdir(parents=True, exist_ok=True)
+def _preflight(spec: LaunchSpec) -> None:
+    """What would fail in the job, checked before anything is queued or written: an input that
+    does not exist (a typo), a GPU run the planner says cannot fit (`launch.fits`)."""
+    # Here, not at module top: the planner reads the model configuration, and
+    # `import workbench.launch` stays light for notebooks that only attach to running jobs.
+    from .fits import check_fits
+
+    missing = missing_inputs(spec.train)
+    if missing:
+        raise LaunchSpecError(f"LaunchSpec: the job would read {', '.join(missing)}, which does "
+                              "not exist; nothing was queued")
+    check_fits(spec)
+
+
+def _prepare_run_folder(spec: LaunchSpec) -> None:
+    spec.folder.mkdir(parents=True, exist_ok=True)
     # A result from an earlier submission into this folder must not answer for the new job.
-    (run_folder / RESULT_FILE).unlink(missing_ok=True)
+    (spec.folder / RESULT_FILE).unlink(missing_ok=True)
 
 
-def _handle(spec: LaunchSpec, run_folder: Path, submitit_folder: Path, job) -> JobHandle:
-    record = {"format": FORMAT, "executor": spec.executor, "job_id": str(job.job_id),
-              "run_folder": str(run_folder), "submitit_folder": str(submitit_folder),
-              "submitted_at": _dt.datetime.now(_dt.UTC).isoformat(),
-              "spec": dataclasses.replace(spec, folder=run_folder).to_json()}
-    if spec.executor == "local":  # the controller's pid may be reused after it exits
+def _handle(spec: LaunchSpec, submitit_folder: Path, job) -> JobHandle:
+    record = {"format": FORMAT, "executor": spec.resources.executor, "job_id": str(job.job_id),
+              "run_folder": str(spec.folder), "submitit_folder": str(submitit_folder),
+              "submitted_at": _dt.datetime.now(_dt.UTC).isoformat(), "spec": spec.to_json()}
+    if spec.resources.executor == "local":  # the controller's pid may be reused after it exits
         record["process_token"] = process_token(int(job.job_id))
-    handle = JobHandle(run_folder, record, submitit_job=job)
+    handle = JobHandle(spec.folder, record, submitit_job=job)
     handle._save()
     return handle
 
 
 def submit(spec: LaunchSpec) -> JobHandle:
-    """Submit one run; returns its handle at once (the job runs in the background). A GPU run
-    that the planner says cannot fit is refused before anything is queued (`launch.fits`)."""
-    # Here, not at module top: the planner reads the trainer's configuration (torch), and
-    # `import workbench.launch` stays light for notebooks that only attach to running jobs.
-    from .fits import check_fits
-
-    check_fits(spec)
-    run_folder = (Path(spec.folder) if spec.folder is not None else _default_folder(spec)).resolve()
-    _prepare_run_folder(spec, run_folder)
-    submitit_folder = run_folder / "submitit"
+    """Submit one run into `spec.folder`; returns its handle at once (the job runs in the
+    background)."""
+    _preflight(spec)
+    _prepare_run_folder(spec)
+    submitit_folder = spec.folder / "submitit"
     ex = make_executor(spec, submitit_folder)
     with _submission_env(spec):
-        job = ex.submit(_job_callable(spec, run_folder))
-    return _handle(spec, run_folder, submitit_folder, job)
+        job = ex.submit(_job_callable(spec))
+    return _handle(spec, submitit_folder, job)
 
 
-def sweep(spec: LaunchSpec, recipes: Sequence[str] | None = None,
-          seeds: Sequence[int] | None = None,
-          profiles: Sequence[str | None] | None = None) -> list[JobHandle]:
-    """One job array over recipes x seeds x profiles (each defaults to the spec's own value).
-    Every element gets its own run folder under the sweep folder and the sweep's run group."""
-    base = (Path(spec.folder) if spec.folder is not None else _default_folder(spec)).resolve()
-    group = spec.run_group or base.name
-    combos = list(itertools.product(recipes or [spec.recipe], seeds or [spec.seed],
-                                    profiles or [spec.profile]))
-    if len(set(combos)) != len(combos):
-        raise ValueError(f"sweep: repeated combinations in {combos}")
-    specs = [dataclasses.replace(spec, recipe=r, seed=s, profile=p, run_group=group)
-             for r, s, p in combos]  # replace() re-runs validation for every element
-    from .fits import check_fits  # see submit()
+# The old keywords of sweep(), and the TrainConfig fields a run's name already shows.
+_AXIS_ALIASES = {"recipes": "recipe", "seeds": "seed", "profiles": "profile"}
+_NAMED = frozenset({"preset", "recipe", "profile", "seed", "ep", "fsdp"})
 
+
+def sweep_specs(spec: LaunchSpec, **axes: Sequence | None) -> list[LaunchSpec]:
+    """The elements of `sweep(spec, **axes)`: the product of `axes`, each a TrainConfig field
+    and its values (`recipe=["bf16", "mxfp4"], seed=[0, 1], lr=[1e-4, 3e-4]`; `recipes=`,
+    `seeds=`, `profiles=` name the same axes; None leaves an axis out). Every element gets its own
+    run folder under the sweep folder (`spec.folder`), named by its run name plus the values the
+    name does not already show (`-lr0.0001`), and the sweep's run group (`spec.train.run_group`,
+    default: the sweep folder's name)."""
+    named: dict[str, list] = {}
+    for key, values in axes.items():
+        field_name = _AXIS_ALIASES.get(key, key)
+        if values is None:
+            continue
+        if field_name in named:
+            raise LaunchSpecError(f"sweep: the axis {field_name!r} is given twice")
+        if isinstance(values, (str, bytes)) or not list(values):
+            raise LaunchSpecError(f"sweep: {key} must be a non-empty sequence of values, "
+                                  f"got {values!r}")
+        named[field_name] = list(values)
+    base = spec.folder
+    group = spec.train.run_group or base.name
+    combos = list(itertools.product(*named.values()))
+    if len(set(map(repr, combos))) != len(combos):
+        raise LaunchSpecError(f"sweep: repeated combinations in {combos}")
+    specs = []
+    for combo in combos:
+        changes = dict(zip(named, combo))
+        try:
+            train = spec.train.replace(**changes, run_group=group)
+            name = run_name(train, spec.resources) + "".join(
+                f"-{k}{safe_name(str(v))}" for k, v in changes.items() if k not in _NAMED)
+            specs.append(spec.replace(train=train.replace(out=str(base / name))))
+        except ValueError as e:  # replace() checks every element again
+            raise LaunchSpecError(f"sweep: element {changes}: {' '.join(str(e).split())}") from None
+    if len({s.folder for s in specs}) != len(specs):
+        raise LaunchSpecError(f"sweep: two elements would share a run folder: "
+                              f"{sorted(s.folder.name for s in specs)}")
+    return specs
+
+
+def sweep(spec: LaunchSpec, **axes: Sequence | None) -> list[JobHandle]:
+    """One job array (on Slurm) over `sweep_specs(spec, **axes)`, submitted together; returns a
+    handle per element."""
+    specs = sweep_specs(spec, **axes)
     for s in specs:
-        check_fits(s)
-    submitit_folder = base / "submitit"
+        _preflight(s)
+    submitit_folder = spec.folder / "submitit"
     ex = make_executor(spec, submitit_folder)
-    runs = []
     for s in specs:
-        run_folder = base / s.name
-        _prepare_run_folder(s, run_folder)
-        runs.append((dataclasses.replace(s, folder=run_folder), run_folder))
+        _prepare_run_folder(s)
     with _submission_env(spec), ex.batch():
-        jobs = [ex.submit(_job_callable(s, rf)) for s, rf in runs]
-    return [_handle(s, rf, submitit_folder, j) for (s, rf), j in zip(runs, jobs)]
+        jobs = [ex.submit(_job_callable(s)) for s in specs]
+    return [_handle(s, submitit_folder, j) for s, j in zip(specs, jobs)]

@@ -13,7 +13,7 @@ def curves(jobs: Sequence[JobHandle]):
     `workbench.plots.runs.plot_curves` and `workbench.track.compare` use; run = folder name."""
     import pandas as pd
 
-    parts = [j.metrics().assign(run=j.folder.name, recipe=j.spec.recipe) for j in jobs]
+    parts = [j.metrics().assign(run=j.folder.name, recipe=j.spec.train.recipe) for j in jobs]
     parts = [p for p in parts if not p.empty]
     if not parts:
         return pd.DataFrame(columns=["run", "recipe", "step", "loss"])
@@ -32,7 +32,7 @@ def status(jobs: Sequence[JobHandle]):
         last = m.iloc[-1] if len(m) else None
         rows.append({"job_id": j.job_id, "run": j.folder.name, "executor": j.executor,
                      "state": j.state, "step": None if last is None else int(last["step"]),
-                     "steps": j.spec.steps,
+                     "steps": j.spec.train.steps,
                      "loss": None if last is None or "loss" not in m else float(last["loss"])})
     return pd.DataFrame(rows)
 
@@ -56,7 +56,7 @@ def watch(jobs: Sequence[JobHandle], every_s: float = 5.0, timeout: float | None
     jobs = list(jobs)
     notebook = _in_notebook()
     end = None if timeout is None else time.monotonic() + timeout
-    total = sum(j.spec.steps for j in jobs)
+    total = sum(j.spec.train.steps for j in jobs)
     bar = tqdm(total=total, desc="steps (all runs)", unit="step")
     handle = None
     try:

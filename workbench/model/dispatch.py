@@ -14,6 +14,10 @@ atomic adds on CUDA, whose order changes from run to run. Both are replaced by g
 token has exactly K assignments, so its sum is K gathered rows added one after another in
 sorted-assignment order (`slots_TK`), which is the order the CPU's sequential `index_add_` and
 index backward use, so CPU results are the same bits as before.
+
+Under CUDA autocast the rows are gathered (and sent) in the GEMM's dtype: the grouped GEMM
+casts them anyway, and casting the T tokens before copying them K times moves half the bytes;
+the gradient is still summed in the tokens' own dtype.
 """
 
 from __future__ import annotations
@@ -54,18 +58,19 @@ def _sum_slots(y_AD: torch.Tensor, slots_TK: torch.Tensor, out_dtype: torch.dtyp
 
 
 class _GatherRows(torch.autograd.Function):
-    """``x_TD[token_A]`` whose backward sums each token's K row gradients with ``_sum_slots``."""
+    """``x_TD.to(dtype)[token_A]`` whose backward sums each token's K row gradients with
+    ``_sum_slots`` in x's dtype."""
 
     @staticmethod
-    def forward(ctx, x_TD, token_A, slots_TK):
+    def forward(ctx, x_TD, token_A, slots_TK, dtype):
         ctx.save_for_backward(slots_TK)
         ctx.dtype = x_TD.dtype
-        return x_TD[token_A]
+        return x_TD.to(dtype)[token_A]
 
     @staticmethod
     def backward(ctx, g_AD):
         (slots_TK,) = ctx.saved_tensors
-        return _sum_slots(g_AD, slots_TK, ctx.dtype), None, None
+        return _sum_slots(g_AD, slots_TK, ctx.dtype), None, None, None
 
 
 class _SumSlots(torch.autograd.Function):
@@ -85,7 +90,10 @@ class _SumSlots(torch.autograd.Function):
 
 def _gather_tokens(x_TD: torch.Tensor, token_A: torch.Tensor, slots_TK: torch.Tensor
                    ) -> torch.Tensor:
-    return _GatherRows.apply(x_TD, token_A, slots_TK)
+    dt = x_TD.dtype
+    if x_TD.is_cuda and torch.is_autocast_enabled("cuda") and x_TD.is_floating_point():
+        dt = torch.get_autocast_dtype("cuda")  # what workbench.model.grouped casts rows to
+    return _GatherRows.apply(x_TD, token_A, slots_TK, dt)
 
 
 def _combine(x_TD: torch.Tensor, y_AD: torch.Tensor, weights_TK: torch.Tensor,

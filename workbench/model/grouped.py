@@ -1,4 +1,4 @@
-"""The plain grouped GEMM behind `GroupedExperts`' seam (no quantization).
+"""The plain grouped GEMM that `GroupedExperts`' seam (`experts.ExpertGemms`) calls (no quantization).
 
 Legend: T tokens (rows, sorted by expert), I reduction dim, O output dim, E experts.
 
@@ -6,8 +6,8 @@ Legend: T tokens (rows, sorted by expert), I reduction dim, O output dim, E expe
 w[e].T (Linear convention, like `torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)`).
 Rows at or past offs[-1] are outputs of no expert: they are zero here.
 
-The model owns this function; `workbench.qat` swaps the experts' `grouped_mm` attribute from
-outside for one that fake-quantizes the operands and then calls this one.
+The model owns this function; `workbench.qat` replaces the experts' seam from outside with one
+that fake-quantizes the operands and then calls this one.
 
 `end`: offs[-1], when the caller knows it on the host. The dispatchers do: offs is the cumsum of
 the routed counts and they pass exactly the routed rows, so it is the row count. Given, the CUDA

@@ -21,6 +21,7 @@ from workbench.arch import MoEConfig
 from workbench.model.cast import Linear
 from workbench.model.experts import GroupedExperts
 from workbench.model.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
+from workbench.model.loss import linear_cross_entropy
 from workbench.model.moe import MoEBlock
 from workbench.model.router import load_balancing_loss
 
@@ -29,7 +30,7 @@ IGNORE_INDEX = -100
 
 @dataclass
 class MoEOutput:
-    logits: torch.Tensor  # [B, S, V]
+    logits: torch.Tensor | None  # [B, S, V]; None when asked not to make them (return_logits)
     loss: torch.Tensor | None  # ce_loss + aux_loss_coef * aux_loss, when labels are given
     ce_loss: torch.Tensor | None
     aux_loss: torch.Tensor | None  # None when the model has no MoE layer
@@ -121,10 +122,12 @@ class MoEForCausalLM(nn.Module):
         return [m for m in self.modules() if isinstance(m, MoEBlock)]
 
     def forward(self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor | None = None, *,
-                positions_BS: torch.Tensor | None = None) -> MoEOutput:
+                positions_BS: torch.Tensor | None = None, return_logits: bool = True) -> MoEOutput:
         """Labels follow transformers: `labels = input_ids` is shifted inside (token t predicts
         t+1); IGNORE_INDEX (-100) entries do not count. ce_loss is the mean over this process's
-        counted tokens; under EP the aux loss is the one of the whole group's batch."""
+        counted tokens; under EP the aux loss is the one of the whole group's batch.
+        `return_logits=False` (with labels): the head and its loss run in row chunks and the
+        [B, S, V] logits are never made (`workbench.model.loss`); `logits` is then None."""
         cfg = self.config
         if input_ids_BS.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got {tuple(input_ids_BS.shape)}")
@@ -140,15 +143,21 @@ class MoEForCausalLM(nn.Module):
             h_BSD, logits_TE = layer(h_BSD, rope)
             if logits_TE is not None:
                 router_logits.append(logits_TE)
-        logits_BSV = self.lm_head(self.model.norm(h_BSD))
+        h_BSD = self.model.norm(h_BSD)
+        chunked = labels_BS is not None and not return_logits
+        logits_BSV = None if chunked else self.lm_head(h_BSD)
 
         balance = self.balance_group if self.balance_group is not None else self.ep_group
         aux = (load_balancing_loss(router_logits, cfg.num_experts, cfg.top_k, balance)
                if router_logits else None)
         ce = loss = None
-        if labels_BS is not None:
+        if chunked:
+            ce = linear_cross_entropy(h_BSD[:, :-1].flatten(0, 1), self.lm_head.weight,
+                                      labels_BS[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+        elif labels_BS is not None:
             ce = F.cross_entropy(logits_BSV[:, :-1].flatten(0, 1).float(),
                                  labels_BS[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+        if ce is not None:
             loss = ce if aux is None else ce + cfg.aux_loss_coef * aux
         return MoEOutput(logits_BSV, loss, ce, aux, tuple(router_logits))
 

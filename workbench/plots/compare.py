@@ -77,7 +77,10 @@ def plot_compare_scatter(table: pd.DataFrame, *, metric: str = "rel_err", a_labe
         ax.set_ylim(lo - pad, hi + pad)
     ax.set_xlabel(f"B = {b_label}: {_label(metric)}")
     ax.set_ylabel(f"A = {a_label}: {_label(metric)}")
-    ax.set_title(f"{_label(metric)} per expert weight ({kind})", fontsize="medium")
+    n_bad = int((d.verdict == "non-finite").sum()) if "verdict" in d else 0
+    unplaced = f"\n{n_bad} non-finite weights (NaN/Inf) have no point: see the summary" \
+        if n_bad else ""
+    ax.set_title(f"{_label(metric)} per expert weight ({kind}){unplaced}", fontsize="medium")
     ax.legend(loc="best", fontsize="small")
     return fig
 

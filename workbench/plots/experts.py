@@ -31,6 +31,10 @@ METRIC_LABELS = {
     "code_mismatch_frac": "codes that differ",
 }
 PROJ_ORDER = ("gate", "up", "down")
+# A cell whose weight holds NaN/Inf (or whose value is not finite) is drawn in this colour with
+# a hatch and named in a legend: imshow would leave it blank, like a weight that is not there.
+NONFINITE_STYLE = {"facecolor": "#ff00ff", "edgecolor": "black", "hatch": "xx", "linewidth": 0.5}
+NONFINITE_LABEL = "NaN/Inf: non-finite weights or value"
 
 
 def _label(metric: str) -> str:
@@ -101,17 +105,59 @@ def projection_panels(d: pd.DataFrame, value: str, projs: tuple[str, ...], imsho
                           layout="constrained")
     axes = fig.subplots(1, n, squeeze=False)[0]
     im = None
+    marked = False
     for ax, proj in zip(axes, projs):
-        grid = d[d.proj == proj].pivot_table(index="layer", columns="expert", values=value)
+        g = d[d.proj == proj]
+        grid = g.pivot_table(index="layer", columns="expert", values=value, dropna=False)
         grid = grid.reindex(index=layers, columns=experts)
         im = ax.imshow(grid.to_numpy(dtype=float), aspect="auto", interpolation="nearest",
                        origin="lower", **imshow_kw)
+        marked |= mark_nonfinite(ax, g, value, layers, experts)
         ax.set_title(f"{proj}_proj")
         ax.set_xlabel("expert")
         ax.set_ylabel("layer")
         _ticks(ax.set_xticks, ax.set_xticklabels, experts)
         _ticks(ax.set_yticks, ax.set_yticklabels, layers)
+    if marked:
+        nonfinite_legend(fig)
     return fig, axes, im
+
+
+def nonfinite_mask(d: pd.DataFrame, value: str) -> np.ndarray:
+    """Rows whose ``value`` is NaN/Inf or whose weights hold NaN/Inf (``nonfinite`` columns of
+    an analysis table or of a comparison's sides)."""
+    bad = ~np.isfinite(d[value].to_numpy(dtype=float))
+    for col in ("nonfinite", "a_nonfinite", "b_nonfinite"):
+        if col in d:
+            bad |= d[col].to_numpy(dtype=float) > 0
+    return bad
+
+
+def _nan_rows(d: pd.DataFrame, metric: str) -> np.ndarray:
+    """Rows with NaN/Inf weights (or a NaN metric): unlike an infinite SQNR (an exact row),
+    these are findings a figure must not drop unsaid."""
+    bad = np.isnan(d[metric].to_numpy(dtype=float))
+    if "nonfinite" in d:
+        bad |= d["nonfinite"].to_numpy(dtype=float) > 0
+    return bad
+
+
+def mark_nonfinite(ax, d: pd.DataFrame, value: str, layers: list, experts: list) -> bool:
+    """Draw each non-finite row of ``d`` (one projection) as a hatched cell; whether any was."""
+    from matplotlib.patches import Rectangle
+
+    rows = d[nonfinite_mask(d, value)]
+    for r in rows.itertuples():
+        x, y = experts.index(r.expert), layers.index(r.layer)
+        ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1.0, 1.0, **NONFINITE_STYLE))
+    return len(rows) > 0
+
+
+def nonfinite_legend(fig) -> None:
+    from matplotlib.patches import Patch
+
+    fig.legend(handles=[Patch(label=NONFINITE_LABEL, **NONFINITE_STYLE)],
+               loc="outside lower center", fontsize="small", frameon=False)
 
 
 def _ticks(set_ticks, set_labels, values, max_ticks: int = 16):
@@ -142,14 +188,16 @@ def plot_recipe_heatmaps(df: pd.DataFrame, metric: str = "rel_err", *,
                           layout="constrained")
     axes = fig.subplots(n, m, squeeze=False)
     im = None
+    marked = False
     for i, rec in enumerate(recipes):
         for j, proj in enumerate(projs):
             ax = axes[i][j]
             g = d[(d.recipe == rec) & (d.proj == proj)]
-            grid = g.pivot_table(index="layer", columns="expert", values=metric)
+            grid = g.pivot_table(index="layer", columns="expert", values=metric, dropna=False)
             grid = grid.reindex(index=layers, columns=experts)
             im = ax.imshow(grid.to_numpy(dtype=float), aspect="auto", interpolation="nearest",
                            vmin=vmin, vmax=vmax, cmap="viridis", origin="lower")
+            marked |= mark_nonfinite(ax, g, metric, layers, experts)
             ax.set_title(f"{rec}: {proj}_proj", fontsize="medium")
             ax.set_xlabel("expert")
             ax.set_ylabel("layer")
@@ -157,6 +205,8 @@ def plot_recipe_heatmaps(df: pd.DataFrame, metric: str = "rel_err", *,
             _ticks(ax.set_yticks, ax.set_yticklabels, layers)
     cbar = fig.colorbar(im, ax=[a for row in axes for a in row], shrink=0.9)
     cbar.set_label(_label(metric))
+    if marked:
+        nonfinite_legend(fig)
     fig.suptitle(f"{_label(metric)} per expert, one colour scale for all recipes ({kind})")
     return fig
 
@@ -169,8 +219,9 @@ def plot_expert_distribution(df: pd.DataFrame, metric: str = "rel_err", *, recip
     if proj is not None:
         d = d[d.proj == proj]
     experts = sorted(d.expert.unique())
-    data = [d[d.expert == e][metric].replace([np.inf, -np.inf], np.nan).dropna().to_numpy()
-            for e in experts]
+    n_bad = int(_nan_rows(d, metric).sum())
+    d = d[~nonfinite_mask(d, metric)]
+    data = [d[d.expert == e][metric].to_numpy() for e in experts]
     fig = _figure_class()(figsize=figsize, layout="constrained")
     ax = fig.subplots()
     ax.boxplot(data, positions=range(len(experts)), widths=0.6, showfliers=True)
@@ -178,7 +229,8 @@ def plot_expert_distribution(df: pd.DataFrame, metric: str = "rel_err", *, recip
     ax.set_xlabel("expert")
     ax.set_ylabel(_label(metric))
     ax.set_title(f"{_label(metric)} across layers, per expert"
-                 + (f" ({proj}_proj)" if proj else " (all projections)"))
+                 + (f" ({proj}_proj)" if proj else " (all projections)")
+                 + (f"; {n_bad} non-finite left out" if n_bad else ""))
     return fig
 
 
@@ -251,7 +303,8 @@ def plot_worst_experts(df: pd.DataFrame, metric: str = "rel_err", *, n: int = 10
     d = _select(df, recipe, kind)
     if largest is None:
         largest = metric not in ("sqnr_db", "cosine")
-    d = d.replace([np.inf, -np.inf], np.nan).dropna(subset=[metric])
+    n_bad = int(_nan_rows(d, metric).sum())
+    d = d[~nonfinite_mask(d, metric)]  # and +-inf (exact SQNR) rows, which rank nowhere
     top = d.nlargest(n, metric) if largest else d.nsmallest(n, metric)
     labels = [f"L{r.layer} E{r.expert} {r.proj}" for r in top.itertuples()]
     fig = _figure_class()(figsize=figsize, layout="constrained")
@@ -271,7 +324,9 @@ def plot_worst_experts(df: pd.DataFrame, metric: str = "rel_err", *, n: int = 10
         for y, v in zip(range(len(top))[::-1], vals):
             ax.text(v, y, f" {v:.4g}", va="center", fontsize="x-small", clip_on=True)
     ax.set_xlabel(_label(metric) + zoom)
-    ax.set_title(f"worst {len(top)} expert weights: {recipe or d.recipe.iloc[0] if len(d) else ''}")
+    unranked = f"\n({n_bad} non-finite weights not ranked: see the summary)" if n_bad else ""
+    ax.set_title(f"worst {len(top)} expert weights: "
+                 f"{recipe or d.recipe.iloc[0] if len(d) else ''}{unranked}")
     return fig
 
 

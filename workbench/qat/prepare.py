@@ -7,6 +7,10 @@ Contract (outside checks rely on it):
 - It returns a report (converted, skipped with reason) and raises when it converts nothing or
   when a scoped weight's blocked dimension is not a multiple of the block (a TP shard of 48
   columns is never silently left unquantized).
+- Our stacked experts get a new seam (``QATExpertGemms``) whose recipes are fixed by role and
+  parameter name here; wrappers applied later (FSDP2, activation checkpointing) need not know it.
+  With a ``QATState`` (the trainer's), the NVFP4 stacks' names are registered with it, so the
+  optimizer can hand their per-expert amax to the forward (``workbench.qat.state``).
 - ``convert`` returns ``{param_name: QuantizedTensor}``, bit-identical to
   ``workbench.formats.quantize`` of the master with the same recipe (3-D stacks: one NVFP4
   per-tensor scale per expert; gpt-oss ``[E, in, out]`` weights are packed transposed to the
@@ -16,18 +20,18 @@ Contract (outside checks rely on it):
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from workbench.formats import QuantizedTensor, Recipe, format_spec, quantize
-from workbench.model.experts import swiglu as plain_swiglu
-from workbench.model.grouped import grouped_mm as plain_grouped_mm
+from workbench.model.experts import EXPERT_WEIGHTS
+from workbench.scope import QuantScope
 
-from .grouped import grouped_mm, swiglu
+from .grouped import QATExpertGemms
 from .recipe import QATRecipe, parse_qat_recipe
+from .state import QATState
 from .ste import fake_quant_ste
 from .styles import WeightSite, find_sites
 
@@ -66,65 +70,6 @@ class PrepareReport:
                 f"{len(self.notes)} notes)")
 
 
-class GroupedSeam:
-    """Replaces ``GroupedExperts.grouped_mm``: fake-quantizes the in-scope weights (matched by
-    identity; every 3-D parameter of the module is listed, with recipe None when out of scope)
-    and the activations of every call. A weight prepare() never saw is an error: it means a
-    parameter was replaced after prepare (e.g. EP narrowing) and would silently run in BF16."""
-
-    def __init__(self, weights: list[tuple[nn.Parameter, Recipe | None]], act: Recipe | None):
-        self.weights = weights
-        self.act = act
-        self._by_name: tuple[weakref.ref, list[tuple[str, Recipe | None]]] | None = None
-
-    def match_by_name(self, module: nn.Module) -> None:
-        """Match weights by the module attribute they sit in, not by identity: for wrappers
-        that swap the registered parameters on purpose (FSDP2 registers the sharded DTensor
-        between steps and the all-gathered parameter during forward; workbench.train.fsdp).
-        The weight passed in must still be one of `module`'s current parameters."""
-        names = {id(p): n for n, p in module.named_parameters(recurse=False)}
-        missing = [tuple(p.shape) for p, _ in self.weights if id(p) not in names]
-        if missing:
-            raise RuntimeError(f"match_by_name: weights of shape {missing} are no longer "
-                               "parameters of the module; was a parameter replaced after prepare?")
-        self._by_name = (weakref.ref(module), [(names[id(p)], r) for p, r in self.weights])
-
-    def weight_recipes(self, module: nn.Module) -> dict[str, Recipe | None]:
-        """{attribute name: recipe} of `module`'s weights as this seam matches them: by name
-        after `match_by_name` (FSDP2 has replaced the parameter objects), else by identity."""
-        if self._by_name is not None:
-            return dict(self._by_name[1])
-        by_id = {id(p): r for p, r in self.weights}
-        return {n: by_id[id(p)] for n, p in module.named_parameters(recurse=False)
-                if id(p) in by_id}
-
-    def __call__(self, x_TD: torch.Tensor, w_EOI: torch.Tensor, offs: torch.Tensor, *,
-                 end: int | None = None) -> torch.Tensor:
-        if self._by_name is not None:
-            ref, named = self._by_name
-            module = ref()
-            for name, recipe in named:
-                if module is not None and getattr(module, name) is w_EOI:
-                    return grouped_mm(x_TD, w_EOI, offs, weight=recipe, act=self.act, end=end)
-        for p, recipe in self.weights:
-            if p is w_EOI:
-                return grouped_mm(x_TD, w_EOI, offs, weight=recipe, act=self.act, end=end)
-        raise RuntimeError(f"grouped_mm got a weight of shape {tuple(w_EOI.shape)} that prepare()"
-                           " never saw; was a parameter replaced after prepare?")
-
-
-class SwigluSeam:
-    """Replaces ``GroupedExperts.swiglu`` when activations are fake-quantized: the SwiGLU with
-    the down projection's activation fake quantization fused in where a kernel serves it
-    (``workbench.qat.grouped.swiglu``; the plain SwiGLU elsewhere)."""
-
-    def __init__(self, act: Recipe):
-        self.act = act
-
-    def __call__(self, g_TF: torch.Tensor, u_TF: torch.Tensor) -> torch.Tensor:
-        return swiglu(g_TF, u_TF, act=self.act)
-
-
 class ParamSwapForward:
     """Instance-level ``forward``: runs the class forward with fake-quantized weights swapped in
     for the masters (restored even when the forward raises), and fake-quantizes the first
@@ -150,8 +95,6 @@ class ParamSwapForward:
 
 
 def _resolve_scope(scope, names):
-    from workbench.scope import QuantScope
-
     if isinstance(scope, str):
         return QuantScope.preset(scope, names=names)
     if not hasattr(scope, "is_quantized"):
@@ -160,12 +103,15 @@ def _resolve_scope(scope, names):
 
 
 def prepare(model: nn.Module, recipe: str | QATRecipe = "mxfp4", scope="routed-experts", *,
-            profile: str | None = None, fuse_swiglu: bool = True) -> PrepareReport:
+            profile: str | None = None, fuse_swiglu: bool = True,
+            state: QATState | None = None) -> PrepareReport:
     """Fake-quantize the scoped weights (and activations) of ``model`` in place; see module doc.
 
     ``fuse_swiglu=False`` keeps the experts' plain SwiGLU, so the down projection quantizes its
     input itself: the same bits either way (the fused kernels are tested against it), for
-    measuring what the fusion buys (``jobs/bench_train_gpu.py --swiglu-ab``)."""
+    measuring what the fusion buys (``jobs/bench_train_gpu.py --swiglu-ab``).
+    ``state``: the trainer's ``QATState``, through which the optimizer hands the forward the
+    NVFP4 per-expert amax; without it the forward computes every amax (the same bits)."""
     qr = parse_qat_recipe(recipe, profile)
     if qr.is_bf16:
         raise ValueError("recipe 'bf16' fake-quantizes nothing: skip prepare() for the baseline")
@@ -204,11 +150,13 @@ def prepare(model: nn.Module, recipe: str | QATRecipe = "mxfp4", scope="routed-e
         mod = modules[mname]
         if ss[0].style == "grouped-seam":
             scoped = {s.param for s in ss}
-            mod.grouped_mm = GroupedSeam(
-                [(p, qr.weight if n in scoped else None)
-                 for n, p in mod.named_parameters(recurse=False) if p.dim() == 3], qr.act)
-            if fuse_swiglu and qr.act is not None and mod.__dict__.get("swiglu") is plain_swiglu:
-                mod.swiglu = SwigluSeam(qr.act)
+            names = {role: f"{mname}.{role}" if mname else role for role in EXPERT_WEIGHTS}
+            weights = {role: qr.weight if role in scoped else None for role in EXPERT_WEIGHTS}
+            if state is not None and qr.weight is not None and qr.weight.fmt == "nvfp4":
+                for role in sorted(scoped):  # one global amax per expert: the optimizer's
+                    state.want(names[role])
+            mod.gemms = QATExpertGemms(weights, names, qr.act, fuse_act=fuse_swiglu,
+                                       state=state, plain=mod.gemms)
         else:
             weights = {s.param: (qr.weight, s.reduction_dim) for s in ss if qr.weight}
             act = qr.act if ss[0].act else None
@@ -223,17 +171,19 @@ def prepare(model: nn.Module, recipe: str | QATRecipe = "mxfp4", scope="routed-e
 
 
 def unprepare(model: nn.Module) -> None:
-    """Undo ``prepare``: restore the plain grouped GEMM and class forwards."""
+    """Undo ``prepare``: restore the experts' previous seam and the class forwards (and let the
+    ``QATState`` forget those weights)."""
     report: PrepareReport | None = getattr(model, _STATE_ATTR, None)
     if report is None:
         return
     modules = dict(model.named_modules())
     for mname in {s.module_name for s in report.converted}:
         mod = modules[mname]
-        if isinstance(mod.__dict__.get("grouped_mm"), GroupedSeam):
-            mod.grouped_mm = plain_grouped_mm
-        if isinstance(mod.__dict__.get("swiglu"), SwigluSeam):
-            mod.swiglu = plain_swiglu
+        seam = mod.__dict__.get("gemms")
+        if isinstance(seam, QATExpertGemms):
+            if seam.state is not None:
+                seam.state.forget(seam.names.values())
+            mod.gemms = seam.plain
         mod.__dict__.pop("forward", None)
     delattr(model, _STATE_ATTR)
 

@@ -1,8 +1,9 @@
 """How each expert style exposes its weights to fake quantization, found by duck typing.
 
 Four styles, one mechanism each, no forks of the model code:
-- ``grouped-seam``: our stacked experts (3-D ``[E, out, in]`` parameters used only through a
-  ``grouped_mm`` attribute). QAT swaps the attribute; weights and activations are fake-quantized.
+- ``grouped-seam``: our stacked experts (3-D ``[E, out, in]`` parameters ``w1``, ``w3``, ``w2``
+  used only through the module's seam, a ``gemms`` attribute holding an ``ExpertGemms``). QAT
+  replaces the seam; weights and activations are fake-quantized.
 - ``te-grouped``: TE ``GroupedLinear``-style modules with 2-D parameters ``weight0..weightK``.
 - ``fused-3d``: 3-D ``gate_up_proj`` / ``down_proj`` parameters used inside the module's own
   forward: transformers 5 fused experts (``[E, out, in]``) and gpt-oss (``[E, in, out]``).
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from workbench.model.experts import EXPERT_WEIGHTS, ExpertGemms
 
 _TE_WEIGHT = re.compile(r"weight(\d+)")
 
@@ -56,11 +59,15 @@ def find_sites(model: nn.Module) -> tuple[list[WeightSite], dict[str, str]]:
     for mname, mod in model.named_modules():
         prefix = f"{mname}." if mname else ""
         direct = dict(mod.named_parameters(recurse=False))
-        if callable(getattr(mod, "grouped_mm", None)):
-            for p, t in direct.items():
-                if t.dim() == 3:
+        if isinstance(getattr(mod, "gemms", None), ExpertGemms):
+            for p in EXPERT_WEIGHTS:
+                if p in direct and direct[p].dim() == 3:
                     sites.append(WeightSite(prefix + p, mname, p, "grouped-seam", -1, True))
                     claimed.add(prefix + p)
+            for p, t in direct.items():
+                if p not in EXPERT_WEIGHTS and t.dim() >= 2:
+                    uncovered[prefix + p] = ("not a weight of the experts' seam (a per-expert "
+                                             "bias is added in BF16 after its GEMM)")
             continue
         te = {p: t for p, t in direct.items() if _TE_WEIGHT.fullmatch(p) and t.dim() == 2}
         if te:

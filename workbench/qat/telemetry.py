@@ -2,7 +2,7 @@
 
 Legend: E local experts, O out rows, I reduction dim (blocks run along I), L MoE layers.
 
-For every expert stack the QAT seam fake-quantizes (`workbench.qat.prepare`'s GroupedSeam), one
+For every expert stack the QAT seam fake-quantizes (`workbench.qat.grouped.QATExpertGemms`), one
 call quantizes the whole [E, O, I] stack with the seam's own recipe and per-expert NVFP4 amax
 (`workbench.formats.quantize`, the reference, or on a GPU the Triton codecs with the same bits)
 and reduces per expert:
@@ -29,7 +29,7 @@ from workbench import kernels
 from workbench.formats import Recipe, format_spec, quantize
 from workbench.formats.api import dequantize
 from workbench.model.experts import GroupedExperts
-from workbench.qat.prepare import GroupedSeam
+from workbench.qat.grouped import QATExpertGemms
 
 # The routed experts' parameters and the names checkpoints give them.
 PROJ_OF = {"w1": "gate", "w3": "up", "w2": "down"}
@@ -126,17 +126,21 @@ class ExpertStack:
     module: GroupedExperts
 
 
+def _seam(module: nn.Module) -> QATExpertGemms | None:
+    seam = getattr(module, "gemms", None) if isinstance(module, GroupedExperts) else None
+    return seam if isinstance(seam, QATExpertGemms) else None
+
+
 def quantized_stacks(model: nn.Module) -> list[ExpertStack]:
     """The routed-expert stacks the QAT seam fake-quantizes, in layer order (empty for bf16)."""
     out = []
     for name, mod in model.named_modules():
-        seam = mod.__dict__.get("grouped_mm") if isinstance(mod, GroupedExperts) else None
-        if not isinstance(seam, GroupedSeam):
+        seam = _seam(mod)
+        if seam is None:
             continue
         layer = int(name.split(".")[2])  # model.layers.{L}.mlp.experts
-        recipes = seam.weight_recipes(mod)  # by name under FSDP (workbench.train.fsdp)
         for pname, proj in PROJ_OF.items():
-            recipe = recipes.get(pname)
+            recipe = seam.weights.get(pname)  # by role: the parameter may be FSDP's DTensor
             if recipe is not None:
                 out.append(ExpertStack(layer, proj, getattr(mod, pname), recipe,
                                        mod.expert_offset, mod))
@@ -144,5 +148,5 @@ def quantized_stacks(model: nn.Module) -> list[ExpertStack]:
 
 
 def activation_recipe(module: GroupedExperts) -> Recipe | None:
-    seam = module.__dict__.get("grouped_mm")
-    return seam.act if isinstance(seam, GroupedSeam) else None
+    seam = _seam(module)
+    return seam.act if seam is not None else None

@@ -35,6 +35,11 @@ UNITS: dict[type, tuple[str, float, str]] = {
     PeakMemory: ("GiB per rank", 1.0, "max"),
 }
 
+# The row `workbench.track.compare` adds for a run it could not read: measured 0 runs read
+# against a limit of 1, so the chart draws it as a failed bar, never as "pending".
+RUN_READABLE = "run file readable"
+_READABLE_UNIT = ("runs read (1: read, 0: unreadable)", 1.0, "min")
+
 CHART_COLUMNS = ["run", "budget", "measured", "limit", "unit", "direction", "verdict", "detail"]
 
 
@@ -56,7 +61,7 @@ def chart_data(table: pd.DataFrame, budgets: Sequence[Budget]) -> pd.DataFrame:
     """`table` (from `check` or `compare(...).budgets`) with measured and limit in each
     budget's display unit, plus unit, direction and verdict (PASS / FAIL / pending).
     `budgets` are the budget objects that made the table (matched by name)."""
-    by_name = {b.name: unit_of(b) for b in budgets}
+    by_name = {RUN_READABLE: _READABLE_UNIT, **{b.name: unit_of(b) for b in budgets}}
     missing = sorted(set(table["budget"]) - set(by_name))
     if missing:
         raise KeyError(f"chart_data: no budget object for {missing}; pass the budgets that "

@@ -87,11 +87,12 @@ def read_run(path: str | Path) -> OfflineRun:
 
 
 def find_runs(wandb_dir: str | Path, group: str | None = None,
-              corrupt: list[CorruptRunFile] | None = None) -> list[OfflineRun]:
+              corrupt: list[CorruptRunFile] | None = None, *, warn: bool = True
+              ) -> list[OfflineRun]:
     """Every run under `wandb_dir` (resumed segments merged by run id), oldest first;
     only those of run group `group` when given. A damaged run file raises CorruptRunFile,
-    unless a `corrupt` list is given: then it is appended there (and warned about) and the
-    other runs are still read."""
+    unless a `corrupt` list is given: then it is appended there (and warned about unless
+    `warn` is False, for a caller that says more itself) and the other runs are still read."""
     segments: dict[str, list[OfflineRun]] = {}
     for f in run_files(wandb_dir):
         try:
@@ -100,7 +101,8 @@ def find_runs(wandb_dir: str | Path, group: str | None = None,
             if corrupt is None:
                 raise
             corrupt.append(exc)
-            warnings.warn(f"skipped: {exc}", stacklevel=2)
+            if warn:
+                warnings.warn(f"skipped: {exc}", stacklevel=2)
             continue
         if group is None or seg.group == group:
             segments.setdefault(seg.id, []).append(seg)

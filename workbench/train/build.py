@@ -11,12 +11,13 @@ import torch
 from torch import nn
 
 from workbench.model import MoEForCausalLM, from_checkpoint, preset
-from workbench.qat import prepare
+from workbench.qat import QATState, prepare
 from workbench.train.act_ckpt import apply_activation_checkpointing
 from workbench.train.config import TrainConfig
 from workbench.train.distributed import DistInfo, Layout, make_layout
 from workbench.train.fsdp import apply_fsdp
 from workbench.train.init import load_init
+from workbench.train.init_source import init_checkpoint, init_config_folder
 from workbench.train.optim import AdamW
 
 # The routed experts are what QAT fake-quantizes and what the packed export packs; attention,
@@ -31,6 +32,8 @@ class Built:
     sched: torch.optim.lr_scheduler.LambdaLR
     qat_report: Any  # workbench.qat's report, None for bf16
     layout: Layout | None = None  # None: built by a caller that predates layouts (EP = world)
+    # what the optimizer hands QAT's forward (the NVFP4 per-expert amax); None for bf16
+    qat_state: QATState | None = None
 
 
 def lr_factor(i: int, *, warmup: int, steps: int, min_ratio: float) -> float:
@@ -43,9 +46,11 @@ def lr_factor(i: int, *, warmup: int, steps: int, min_ratio: float) -> float:
 
 def model_config(cfg: TrainConfig):
     """The model's MoEConfig: the preset's, or (no preset) the --init checkpoint's config.json.
-    max_seq_len grows to --seq when a run trains on longer sequences than the preset lists."""
-    mcfg = preset(cfg.preset) if cfg.preset is not None else from_checkpoint(cfg.init)
-    return mcfg.replace(max_seq_len=max(cfg.seq, mcfg.max_seq_len))
+    max_seq_len grows to --seq + 1 when a run trains on longer sequences than the preset lists."""
+    mcfg = preset(cfg.preset) if cfg.preset is not None else \
+        from_checkpoint(init_config_folder(cfg.init))
+    # a batch row holds seq + 1 tokens: the last one is only a label, but the model sees it
+    return mcfg.replace(max_seq_len=max(cfg.seq + 1, mcfg.max_seq_len))
 
 
 def build_model(cfg: TrainConfig, info: DistInfo, *, overwritten: bool = False,
@@ -85,24 +90,36 @@ def materialize_(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
-def prepare_qat(model: nn.Module, cfg: TrainConfig) -> Any:
+def prepare_qat(model: nn.Module, cfg: TrainConfig, state: QATState | None = None) -> Any:
     if cfg.qat_recipe.is_bf16:
         return None
-    return prepare(model, recipe=cfg.qat_recipe, scope=QAT_SCOPE)
+    return prepare(model, recipe=cfg.qat_recipe, scope=QAT_SCOPE, state=state)
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig):
+def compile_layers(model: nn.Module) -> int:
+    """Regional compilation, as torchtitan does it: each decoder layer's forward through
+    ``torch.compile`` (layers of one kind share a graph), after activation checkpointing (the
+    recompute is compiled too) and before FSDP. The embedding, the LM head and its chunked loss
+    stay outside. Returns the number of layers."""
+    layers = model.model.layers
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, qat_state: QATState | None = None):
     # No weight decay on norm gains (1-D); matrices, embeddings and expert stacks decay.
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     # torch's AdamW arithmetic and state; its update of NVFP4 expert stacks also produces their
-    # per-expert amax for the next forward's fake quantization (workbench.train.optim)
+    # per-expert amax, which the sink hands to the next forward's fake quantization
     opt = AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay},
          {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
         # One code path on every machine: foreach/fused kernels may round differently.
-        foreach=False)
+        foreach=False,
+        amax_sink=qat_state.optimizer_sink(model) if qat_state is not None else None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(
         lr_factor, warmup=cfg.warmup, steps=cfg.steps, min_ratio=cfg.min_lr_ratio))
     return opt, sched
@@ -114,11 +131,16 @@ def build(cfg: TrainConfig, info: DistInfo, *, resuming: bool = False) -> Built:
     layout = make_layout(info, cfg.ep, cfg.fsdp)
     model = build_model(cfg, info, overwritten=resuming or bool(cfg.init), layout=layout)
     if cfg.init and not resuming:
-        load_init(cfg.init, model, info)  # before FSDP: into the plain EP-local tensors
-    report = prepare_qat(model, cfg)
+        # before FSDP, into the plain EP-local tensors; a remote --init: this rank's shards
+        # are downloaded first (train.init_source)
+        load_init(init_checkpoint(cfg.init, model, progress=info.is_main), model, info)
+    qat_state = None if cfg.qat_recipe.is_bf16 else QATState()
+    report = prepare_qat(model, cfg, qat_state)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    if cfg.compile:
+        compile_layers(model)
     if layout.fsdp:
         apply_fsdp(model, layout, info.device)  # replaces the parameters by DTensor shards
     model.layout = layout  # read by the loop (gradient reduction) and checkpointing (resharding)
-    opt, sched = build_optimizer(model, cfg)
-    return Built(model, opt, sched, report, layout)
+    opt, sched = build_optimizer(model, cfg, qat_state)  # after FSDP: the parameters it holds
+    return Built(model, opt, sched, report, layout, qat_state)

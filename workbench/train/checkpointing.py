@@ -303,7 +303,9 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer, sched, step: int,
     sd: dict[str, torch.Tensor] = {}
     index = {id(p): n for n, p in model.named_parameters()}
     for name, p in model.named_parameters():
-        sd[f"model/{name}"] = wrap(name, p.data)
+        # detach(), not .data: it shares the parameter's version counter, so a DCP load into
+        # it counts as a write (what knows values by version, e.g. QAT's amax book, sees it)
+        sd[f"model/{name}"] = wrap(name, p.detach())
     for gi, group in enumerate(opt.param_groups):
         sd[f"optim/group{gi}/lr"] = torch.tensor(float(group["lr"]), dtype=torch.float64)
         for p in group["params"]:

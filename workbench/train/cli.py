@@ -1,8 +1,10 @@
-"""Runs the QAT trainer (`jobs/qat.py`, `python -m workbench.train.cli`; `--help` lists the flags).
+"""Runs the QAT trainer: `workbench train`, `torchrun ... -m workbench.train.cli`, `jobs/qat.py`
+(`--help` lists the flags).
 
 The command line itself (the parser, argv -> TrainConfig and back) is `workbench.train.args`, which
 the launcher imports without torch; this module adds what running needs: distributed set-up,
-the run logger, signal handlers, and one-line errors with exit code 2.
+the run logger, signal handlers, and one-line errors with exit code 2. `main(argv)` is what a
+launched job calls in every rank (`workbench.launch`'s default target).
 """
 
 from __future__ import annotations
@@ -14,16 +16,22 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 from workbench._io import atomic_write_json, atomic_write_text
 from workbench.arch import ModelConfigError
+from workbench.checkpoint import CheckpointError as ReaderError
 from workbench.recipe import RecipeError
-from workbench.train.args import config_from_args
+from workbench.source import SourceError
+from workbench.train.args import PROG, config_from_args
 from workbench.train.checkpointing import CheckpointError
-from workbench.train.config import TrainConfig
+from workbench.train.config import TrainConfig, TrainConfigError
 from workbench.train.datasets import DataError
+from workbench.train.distributed import exit_process
 from workbench.train.init import InitError
+from workbench.train.init_source import pin_init
 from workbench.train.logger import make_logger
+from workbench.train.loop import NonFiniteStep
 from workbench.train.resume_config import ResumeConfigError
 from workbench.train.tokenizer import TokenizerError
 
@@ -88,11 +96,17 @@ def final_summary(result: dict, cfg: TrainConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """The trainer on the command line `argv` (a refused one: one line, exit code 2)."""
+    return run(config_from_args(argv))
+
+
+def run(cfg: TrainConfig) -> dict:
+    """The trainer on `cfg` in this process (one rank of a torchrun or submitit job, or alone)."""
     from workbench.train import distributed
     from workbench.train.determinism import enable as enable_determinism
     from workbench.train.loop import check_fresh_start, clear_stop, train
 
-    cfg = config_from_args(argv)
+    cfg, init_source = pin_init(cfg)
     enable_determinism(cfg.deterministic)  # before CUDA / cuBLAS start (set_device, first matmul)
     info = distributed.setup(single_rank_group=cfg.fsdp)
     try:
@@ -101,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
         # `out` would need (train() checks again, for callers that skip main).
         check_fresh_start(cfg)
         resolved = {**cfg.to_dict(), "world_size": info.world, "ep_size": cfg.ep_size(info.world),
-                    "device": str(info.device)}
+                    "device": str(info.device), "init_source": init_source}
         logger = None
         if info.is_main:
             out = Path(cfg.out)
@@ -134,20 +148,29 @@ def main(argv: list[str] | None = None) -> dict:
         distributed.teardown(info)
 
 
-def cli(argv: list[str] | None = None) -> dict:
-    """`main` for a terminal: input the user can fix (a refused resume, an unusable checkpoint,
-    a bad data file, tokenizer or model config) is one line on stderr naming it and exit code 2,
-    not a traceback per rank."""
+def cli(argv: list[str] | None = None, prog: str = PROG) -> dict:
+    """`main` for a terminal: a refused command line, and input the user can fix (a refused
+    resume, an unusable checkpoint, a bad data file, tokenizer or model config), is one line on
+    stderr naming it and exit code 2, not a traceback per rank."""
+    cfg = config_from_args(argv, prog=prog)
     try:
-        return main(argv)
+        return run(cfg)
     except (CheckpointError, ResumeConfigError, DataError, TokenizerError, ModelConfigError,
-            InitError, RecipeError) as e:
+            InitError, RecipeError, NonFiniteStep, SourceError, TrainConfigError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    except ReaderError as e:  # the --init checkpoint (a missing shard, a failed download)
+        print(f"error: --init: {e.one_line()}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 
-if __name__ == "__main__":
-    from workbench.train.distributed import exit_process
+def console(argv: list[str] | None = None, prog: str = PROG) -> NoReturn:
+    """`cli`, then leave the process without finalisation while gloo threads live (FSDP; see
+    `distributed.exit_process`): the end of `workbench train`, `-m workbench.train.cli` and
+    `jobs/qat.py`."""
+    cli(argv, prog)
+    exit_process(0)
 
-    cli()
-    exit_process(0)  # no finalisation while gloo threads live (see exit_process)
+
+if __name__ == "__main__":
+    console(prog="python -m workbench.train.cli")

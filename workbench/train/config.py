@@ -1,4 +1,12 @@
-"""The trainer's typed configuration: one frozen dataclass, presets as functions, CLI overrides.
+"""The trainer's typed configuration: one frozen dataclass that declares every option once.
+
+Each `TrainConfig` field is declared with `option(default, help, ...)` (`workbench.train.options`):
+its type annotation, its default, its help text, its bounds or choices, how a `--resume` treats
+it, and (for paths) what the launcher does with it. Everything else is derived from that one
+declaration: the command line
+(`workbench.train.args`: the parser, argv -> TrainConfig and back), the launcher's job argv
+(`workbench.launch`), the field checks in `__post_init__`, and `FREE` / `CHANGEABLE` (what
+`--resume` may change). Adding a trainer option is adding one field here (docs/contributing.md).
 
 `batch` is the GLOBAL batch in sequences: every EP size trains on the same global batch and rank r
 takes rows [r*batch/W, (r+1)*batch/W) (see `workbench.train.data`), so `batch` must be a multiple
@@ -9,168 +17,176 @@ world size (every rank holds a replica of the dense parameters, no FSDP). With `
 the dense parameters over all ranks and the experts over the dp ranks that hold the same experts.
 EP < world needs `fsdp`: replicated experts without FSDP are not supported (one way to run them).
 The layout is not training semantics: a `--resume` may change it (the checkpoint reshards).
+`check_world` is the one place these rules are checked, by the trainer and by the launcher.
+
+Torch-free: the launcher builds and checks a job's configuration without loading torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from workbench.arch import PRESETS
 from workbench.recipe import QATRecipe, RecipeError, parse_qat_recipe
+from workbench.train.options import Declared, Option, TrainConfigError, declared, option
+
+# What a field's declaration is made of lives in workbench.train.options; here for callers of
+# TrainConfig, which use them together.
+__all__ = ["ACT_CKPT_MODES", "CHANGEABLE", "EXPORTS", "FREE", "WANDB_MODES", "Declared", "Option",
+           "TrainConfig", "TrainConfigError", "check_allowed_changes", "declared",
+           "from_checkpoint", "gpu", "option", "preset_config", "run_config", "small", "split_names",
+           "tiny"]
 
 ACT_CKPT_MODES = ("off", "full", "selective")
 EXPORTS = ("compressed-tensors", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
 
-# What a --resume may change (workbench.train.resume_config compares against the checkpoints;
-# here so TrainConfig checks allow_config_change without importing torch). FREE: activation
-# checkpointing recomputes the same numbers; the layout (ep, fsdp) only changes which rank holds
-# which shard; determinism and telemetry change no value the run trains with.
-FREE = frozenset({"out", "resume", "allow_config_change", "init", "val_every", "ckpt_every",
-                  "keep", "export", "wandb", "project", "run_group", "run_name",
-                  "activation_checkpointing", "deterministic", "expert_stats_every",
-                  # the parallel layout: the checkpoint reshards (checkpointing.state_dict), and
-                  # the trained function is the same at every layout (docs/fsdp.md)
-                  "ep", "fsdp"})
-CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup", "grad_clip", "val_batches")
+def _path_text(v: Any) -> Any:
+    return os.fspath(v) if isinstance(v, os.PathLike) else v
 
 
-def check_allowed_changes(names: Iterable[str]) -> None:
-    """`TrainConfig.allow_config_change` may name only CHANGEABLE fields."""
-    if isinstance(names, str):
-        raise TypeError(f"allow_config_change must be a tuple of field names, got {names!r}")
-    bad = [n for n in names if n not in CHANGEABLE]
-    if bad:
-        raise ValueError(f"--allow-config-change {','.join(bad)}: only {', '.join(CHANGEABLE)} "
-                         "may change on --resume (the others define the run; "
-                         f"{', '.join(sorted(FREE - {'resume', 'allow_config_change'}))} "
-                         "change freely)")
-
-
-def parse_allowed_changes(text: str) -> tuple[str, ...]:
-    """The CLI's `--allow-config-change a,b,c`."""
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    check_allowed_changes(names)
-    return names
+def split_names(text: str) -> tuple[str, ...]:
+    """`a,b, c` -> ("a", "b", "c"): the command line's `--allow-config-change` (checked by
+    TrainConfig)."""
+    return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    out: str
-    # Model preset of workbench.arch.PRESETS; None: the model is the --init
-    # checkpoint's own architecture (its config.json).
-    preset: str | None = "tiny"
-    # W[:PROFILE][+A[:PROFILE]] (workbench.recipe); checked at construction, typed as
-    # `qat_recipe`. Kept as the text given so recorded run folders ("mxfp4") stay resumable.
-    recipe: str = "bf16"
-    profile: str | None = None  # deprecated: the weight profile; prefer "mxfp4:floor"
-    steps: int = 20
-    batch: int = 8  # global sequences per step
-    seq: int = 64  # tokens per sequence (inputs; one more token is read for the labels)
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
-    warmup: int = 5
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0  # global L2 norm; 0 disables clipping (the norm is still logged)
-    val_every: int = 10  # 0 disables validation
-    val_batches: int = 2
-    ckpt_every: int = 10  # 0: only the final / preemption checkpoint
-    keep: int = 2  # complete checkpoints kept on disk
-    seed: int = 0
-    resume: bool = False
-    init: str | None = None  # BF16 or packed HF checkpoint to start from
-    export: str | None = None  # None, "compressed-tensors" or "bf16"
+    out: str = option(dataclasses.MISSING, "run directory (metrics, checkpoints, export)",
+                      path="write", resume="free")
+    preset: str | None = option(
+        "tiny", "model + training preset (tiny, small, ...); left out: the --init checkpoint's own "
+        "model (its config.json; also: --preset checkpoint), or tiny without --init",
+        none="checkpoint", metavar="NAME")
+    # Kept as the text given so recorded run folders ("mxfp4") stay resumable; typed as
+    # `qat_recipe`.
+    recipe: str = option("bf16", "W[:PROFILE][+A[:PROFILE]], e.g. mxfp4, nvfp4:te, mxfp4+mxfp8, "
+                         "nvfp4+mxfp8, mxfp8; bf16 / none: no quantization")
+    profile: str | None = option(None, "deprecated: the weight format's codec profile; write it "
+                                 "in the recipe instead (--recipe mxfp4:floor)")
+    steps: int = option(20, "optimizer steps", ge=1, resume="changeable")
+    batch: int = option(8, "GLOBAL batch in sequences (a multiple of the world size)", ge=1)
+    seq: int = option(64, "predicted tokens per sequence (one more is read for the labels)", ge=1)
+    lr: float = option(3e-3, "peak learning rate", gt=0, resume="changeable")
+    min_lr_ratio: float = option(0.1, "the cosine schedule decays to lr x this at the last step",
+                                 ge=0, le=1, resume="changeable")
+    warmup: int = option(5, "linear warm-up steps", ge=0, resume="changeable")
+    weight_decay: float = option(0.1, "AdamW weight decay", ge=0)
+    beta1: float = option(0.9, "Adam beta1", ge=0, lt=1)
+    beta2: float = option(0.95, "Adam beta2", ge=0, lt=1)
+    adam_eps: float = option(1e-8, "Adam epsilon", gt=0)
+    grad_clip: float = option(1.0, "clip the global gradient L2 norm to this; 0: no clipping (the "
+                              "norm is still logged)", ge=0, resume="changeable")
+    # What to do with a step whose loss or gradient is NaN/Inf; never a value of the steps that
+    # train, so free on resume (a stopped run resumes with skipping allowed).
+    skip_nonfinite_steps: int = option(
+        0, "skip up to N steps whose loss or gradient is NaN/Inf (no update, counted as "
+        "skipped_steps); default 0: stop at the first, exit 2", ge=0, metavar="N", resume="free")
+    val_every: int = option(10, "steps between validations; 0: none", ge=0, resume="free")
+    val_batches: int = option(2, "batches per validation", ge=1, resume="changeable")
+    ckpt_every: int = option(10, "steps between checkpoints; 0: only the final and preemption "
+                             "checkpoints", ge=0, resume="free")
+    keep: int = option(2, "complete checkpoints to keep", ge=1, resume="free")
+    seed: int = option(0, "seed of the initialisation and the data order", ge=0)
+    resume: bool = option(False, "continue from the newest complete checkpoint in --out (no-op "
+                          "if none)", resume="free")
+    init: str | None = option(None, "BF16 or packed HF checkpoint to start from: a folder, a hub "
+                              "id ORG/NAME[@REV] or a URL (docs/hub.md)", path="checkpoint",
+                              metavar="CKPT", resume="free")
+    export: str | None = option(None, "write an HF checkpoint to OUT/export", choices=EXPORTS,
+                                resume="free")
     # Real data (workbench.train.datasets, docs/data.md); none: the shipped byte corpus.
-    data: tuple[str, ...] = ()
-    val_data: tuple[str, ...] = ()  # none: the last train sequences are held out
-    tokenizer: str | None = None  # None: the --init folder's tokenizer
-    token_cache: str | None = None  # None: <parent of out>/.token-cache
+    data: tuple[str, ...] = option(
+        (), "training text (repeatable): .jsonl, .parquet, .txt or folder, datasets.save_to_disk "
+        "folder, hf:NAME[:CONFIG][:SPLIT]; see docs/data.md", repeat=True, metavar="PATH",
+        path="source")
+    val_data: tuple[str, ...] = option(
+        (), "validation text (repeatable); default: hold out the last train sequences",
+        repeat=True, metavar="PATH", path="source")
+    tokenizer: str | None = option(None, "tokenizer folder or hub id (default: --init's)",
+                                   path="tokenizer")
+    token_cache: str | None = option(None, "private token cache folder (default: "
+                                     "OUT/../.token-cache-UID)", path="write")
     # Distillation from the frozen --init model (workbench.train.distill).
-    distill: bool = False
-    kd_temperature: float = 1.0
-    kd_weight: float = 1.0
-    ce_weight: float = 0.0
-    wandb: str = "offline"
-    run_group: str | None = None
-    project: str = "workbench"
-    run_name: str | None = None
-    # Bitwise-reproducible GPU runs (workbench.train.determinism, docs/determinism.md).
-    deterministic: bool = True  # 0.8% of the GPU step (docs/determinism.md), so on by default
-    activation_checkpointing: str = "off"  # off | full | selective (workbench.train.act_ckpt)
-    ep: int | None = None  # expert-parallel size; None: the world size (see the module doc)
-    fsdp: bool = False  # FSDP2 over dense parameters (all ranks) and experts (dp ranks)
-    expert_stats_every: int | None = None  # None: at each validation; 0: off (expert_stats.py)
-    allow_config_change: tuple[str, ...] = ()  # fields --resume may change (resume_config)
+    distill: bool = option(False, "distil from the frozen --init model (KL to its logits)")
+    kd_temperature: float = option(1.0, "distillation temperature T", gt=0)
+    kd_weight: float = option(1.0, "weight of T^2 * KL", ge=0)
+    ce_weight: float = option(0.0, "weight of the CE loss (with --distill; without it the loss "
+                              "is CE)", ge=0)
+    wandb: str = option("offline", "wandb mode", choices=WANDB_MODES, resume="free")
+    run_group: str | None = option(None, "wandb group (baseline + QAT runs compared together)",
+                                   resume="free")
+    project: str = option("workbench", "wandb project", resume="free")
+    run_name: str | None = option(None, "wandb run name (default: the --out folder's name)",
+                                  resume="free")
+    # Bitwise-reproducible GPU runs (workbench.train.determinism); on by default, its cost is in
+    # docs/determinism.md.
+    deterministic: bool = option(True, "bitwise-reproducible run: deterministic algorithms and "
+                                 "cuBLAS workspace (docs/determinism.md)", resume="free")
+    activation_checkpointing: str = option(
+        "off", "recompute each decoder layer in backward: full, or selective (keep the "
+        "matmul/attention outputs)", choices=ACT_CKPT_MODES, resume="free")
+    compile: bool = option(False, "compile each decoder layer (regional torch.compile): on a GPU "
+                           "the fused elementwise work makes the step about 0.7x the eager one; "
+                           "its numbers differ from eager ones in rounding (docs/performance.md)",
+                           resume="free")
+    ep: int | None = option(None, "expert-parallel size (default: the world size); N < world "
+                            "needs --fsdp", ge=1, metavar="N", resume="free")
+    fsdp: bool = option(False, "FSDP2: shard dense parameters over all ranks, experts over the "
+                        "ranks that hold the same experts (docs/fsdp.md)", resume="free")
+    expert_stats_every: int | None = option(
+        None, "steps between per-expert quantization records in OUT/expert_stats.parquet "
+        "(default: at each validation; 0: off)", ge=0, resume="free")
+    allow_config_change: tuple[str, ...] = option(
+        (), "fields --resume may change from the checkpoint's configuration (listed at the end "
+        "of --help); others must match", parse=split_names, fmt=",".join, metavar="FIELD[,FIELD]",
+        resume="free")
 
     def __post_init__(self) -> None:
-        if not self.out:
-            raise ValueError("TrainConfig.out (the run directory, --out) must be set")
-        if self.preset is None and not self.init:
-            raise ValueError("TrainConfig.preset is None: the model is built from --init CKPT's "
-                             "config.json, so --init must be set (or pass --preset)")
-        for name in ("data", "val_data"):
-            v = getattr(self, name)
-            if not isinstance(v, tuple) or not all(isinstance(x, str) and x for x in v):
-                raise TypeError(f"TrainConfig.{name} must be a tuple of paths, got {v!r}")
-        if self.val_data and not self.data:
-            raise ValueError("--val-data needs --data (the byte corpus has its own val split)")
-        if self.distill and not self.init:
-            raise ValueError("--distill needs --init CKPT: the teacher is the frozen --init model")
-        if not self.kd_temperature > 0 or self.kd_weight < 0 or self.ce_weight < 0:
-            raise ValueError("--kd-temperature must be > 0, --kd-weight and --ce-weight >= 0")
-        if self.distill and self.kd_weight == 0 and self.ce_weight == 0:
-            raise ValueError("--distill with --kd-weight 0 and --ce-weight 0 has no objective")
         if isinstance(self.recipe, QATRecipe):
             object.__setattr__(self, "recipe", str(self.recipe))
+        for d in declared(type(self)):
+            v = getattr(self, d.name)
+            # One spelling per value (JSON, equality, hashing): 1 -> 1.0, Path -> str, list -> tuple
+            if d.kind is float and isinstance(v, int) and not isinstance(v, bool):
+                v = float(v)
+            elif d.kind is tuple and isinstance(v, list):
+                v = tuple(v)
+            if d.option.path is not None:
+                v = tuple(_path_text(x) for x in v) if isinstance(v, tuple) else _path_text(v)
+            object.__setattr__(self, d.name, v)
+            d.check(v)
+        # Rules between fields: one place, here (the launcher builds a TrainConfig too).
+        if not self.out:
+            raise TrainConfigError("TrainConfig.out (the run directory, --out) must be set")
+        if self.preset is None and not self.init:
+            raise TrainConfigError("TrainConfig.preset is None: the model is built from --init "
+                                   "CKPT's config.json, so --init must be set (or pass --preset)")
+        if self.preset is not None and self.preset not in PRESETS:
+            raise TrainConfigError(f"unknown preset {self.preset!r}; choose one of "
+                                   f"{sorted(PRESETS)} (or --init CKPT without a preset)")
+        if self.val_data and not self.data:
+            raise TrainConfigError("--val-data needs --data (the byte corpus has its own val "
+                                   "split)")
+        if self.distill and not self.init:
+            raise TrainConfigError("--distill needs --init CKPT: the teacher is the frozen --init "
+                                   "model")
+        if self.distill and self.kd_weight == 0 and self.ce_weight == 0:
+            raise TrainConfigError("--distill with --kd-weight 0 and --ce-weight 0 has no "
+                                   "objective")
         try:
             parse_qat_recipe(self.recipe, self.profile)
         except RecipeError as e:
             raise RecipeError(f"TrainConfig.recipe {self.recipe!r}: {e}") from None
-        for name in ("steps", "batch", "seq", "val_batches", "keep"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"TrainConfig.{name} must be a positive int, got {v!r}")
-        for name in ("warmup", "val_every", "ckpt_every", "seed"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"TrainConfig.{name} must be an int >= 0, got {v!r}")
-        if not self.lr > 0:
-            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"TrainConfig.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError(f"Adam betas must lie in [0, 1), got {self.beta1}, {self.beta2}")
-        if self.grad_clip < 0 or self.weight_decay < 0 or self.adam_eps <= 0:
-            raise ValueError("grad_clip and weight_decay must be >= 0 and adam_eps > 0")
-        if self.export is not None and self.export not in EXPORTS:
-            raise ValueError(f"export {self.export!r} is not one of {EXPORTS}")
         if self.export == "compressed-tensors" and self.qat_recipe.weight is None:
-            raise ValueError(f"--export compressed-tensors packs the recipe's weight format; "
-                             f"recipe {self.recipe!r} has none (use --export bf16)")
-        if self.wandb not in WANDB_MODES:
-            raise ValueError(f"wandb mode {self.wandb!r} is not one of {WANDB_MODES}")
+            raise TrainConfigError(f"--export compressed-tensors packs the recipe's weight "
+                                   f"format; recipe {self.recipe!r} has none (use --export bf16)")
         check_allowed_changes(self.allow_config_change)
-        if not isinstance(self.deterministic, bool):  # ValueError like the field checks above
-            raise ValueError(  # noqa: TRY004
-                f"TrainConfig.deterministic must be a bool, got {self.deterministic!r}")
-        if self.expert_stats_every is not None and (
-                not isinstance(self.expert_stats_every, int) or self.expert_stats_every < 0):
-            raise ValueError(f"TrainConfig.expert_stats_every must be an int >= 0 or None, got "
-                             f"{self.expert_stats_every!r}")
-        if self.ep is not None and (not isinstance(self.ep, int) or isinstance(self.ep, bool)
-                                    or self.ep <= 0):
-            raise ValueError(f"TrainConfig.ep must be a positive int or None, got {self.ep!r}")
-        if not isinstance(self.fsdp, bool):
-            raise ValueError(f"TrainConfig.fsdp must be a bool, got {self.fsdp!r}")  # noqa: TRY004
-        if self.activation_checkpointing not in ACT_CKPT_MODES:
-            raise ValueError(f"activation_checkpointing {self.activation_checkpointing!r} is not "
-                             f"one of {ACT_CKPT_MODES}")
 
     @property
     def stats_every(self) -> int:
@@ -196,24 +212,58 @@ class TrainConfig:
         return world_size if self.ep is None else self.ep
 
     def check_world(self, world_size: int) -> None:
+        """The layout rules at `world_size` ranks (world = ep x dp; dp > 1 needs FSDP), checked
+        by the trainer at start-up and by the launcher when a job is described."""
         if self.batch % world_size:
-            raise ValueError(f"global batch {self.batch} must be a multiple of the world size "
-                             f"{world_size} (each rank trains on batch/world sequences)")
+            raise TrainConfigError(f"global batch {self.batch} must be a multiple of the world "
+                                   f"size {world_size} (each rank trains on batch/world "
+                                   "sequences)")
         ep = self.ep_size(world_size)
         if world_size % ep:
-            raise ValueError(f"TrainConfig.ep (--ep {ep}) does not divide the world size "
-                             f"{world_size} (world = ep x dp)")
+            raise TrainConfigError(f"TrainConfig.ep (--ep {ep}) does not divide the world size "
+                                   f"{world_size} (world = ep x dp)")
         if ep < world_size and not self.fsdp:
-            raise ValueError(f"TrainConfig.ep (--ep {ep}) < world size {world_size} needs --fsdp: "
-                             "the experts of one EP group are then sharded over the "
-                             f"{world_size // ep} data-parallel ranks that hold them (experts "
-                             "replicated without FSDP are not supported)")
+            raise TrainConfigError(
+                f"TrainConfig.ep (--ep {ep}) < world size {world_size} needs --fsdp: the experts "
+                f"of one EP group are then sharded over the {world_size // ep} data-parallel "
+                "ranks that hold them (experts replicated without FSDP are not supported)")
 
     def replace(self, **changes: Any) -> TrainConfig:
+        unknown = sorted(set(changes) - {d.name for d in declared(type(self))})
+        if unknown:
+            raise TrainConfigError(f"TrainConfig has no field(s) {unknown}")
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        """The inverse of `to_dict` after a JSON round trip (lists back to tuples)."""
+        if not isinstance(d, dict):
+            raise TrainConfigError(f"TrainConfig.from_dict needs a dict, got {type(d).__name__}")
+        fields = {x.name: x for x in declared(cls)}
+        unknown = sorted(set(d) - set(fields))
+        if unknown:
+            raise TrainConfigError(f"TrainConfig has no field(s) {unknown}")
+        return cls(**{k: tuple(v) if fields[k].kind is tuple and isinstance(v, list) else v
+                      for k, v in d.items()})
+
+
+# What a --resume may change, from the declarations (workbench.train.resume_config compares the
+# checkpoints against them; here so TrainConfig checks allow_config_change without torch).
+FREE = frozenset(d.name for d in declared(TrainConfig) if d.option.resume == "free")
+CHANGEABLE = tuple(d.name for d in declared(TrainConfig) if d.option.resume == "changeable")
+
+
+def check_allowed_changes(names: Iterable[str]) -> None:
+    """`TrainConfig.allow_config_change` may name only CHANGEABLE fields."""
+    bad = [n for n in names if n not in CHANGEABLE]
+    if bad:
+        raise TrainConfigError(
+            f"--allow-config-change {','.join(bad)}: only {', '.join(CHANGEABLE)} may change on "
+            f"--resume (the others define the run; "
+            f"{', '.join(sorted(FREE - {'resume', 'allow_config_change'}))} change freely)")
 
 
 # Presets: the training hyper-parameters that fit each model preset of the same name.
@@ -236,7 +286,7 @@ def gpu(out: str, preset: str, **overrides: Any) -> TrainConfig:
                        steps=500, val_every=100, ckpt_every=100).replace(**overrides)
 
 
-def from_checkpoint(out: str, init: str, **overrides: Any) -> TrainConfig:
+def from_checkpoint(out: str, init: str | None = None, **overrides: Any) -> TrainConfig:
     """No preset: the model is the --init checkpoint's; a fine-tune's hyper-parameters."""
     return TrainConfig(out=out, preset=None, init=init, batch=32, seq=1024, lr=1e-5, warmup=20,
                        steps=500, val_every=100, ckpt_every=100).replace(**overrides)
@@ -250,5 +300,14 @@ def preset_config(name: str | None, out: str, **overrides: Any) -> TrainConfig:
     if name == "small":
         return small(out, **overrides)
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        raise TrainConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return gpu(out, name, **overrides)
+
+
+def run_config(out: str, **fields: Any) -> TrainConfig:
+    """The configuration of a run as the command line builds it: the preset's hyper-parameters,
+    then `fields` (any TrainConfig fields) over them. `preset` left out: the `init` checkpoint's
+    own model when `init` is given, else tiny. The launcher builds its jobs' configs here too."""
+    preset = fields.pop("preset") if "preset" in fields else (None if fields.get("init")
+                                                              else "tiny")
+    return preset_config(preset, out, **fields)

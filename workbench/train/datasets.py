@@ -13,12 +13,17 @@ Sources (each `--data PATH`, repeatable, read in the order given):
 Convention (docs/data.md): every record is tokenized without special tokens, one EOS id is
 appended, the records are concatenated in source order into one stream, and the stream is cut into
 sequences of `seq + 1` tokens; only the incomplete tail is dropped, nothing is padded.
+A record longer than `PIECE_CHARS` characters is tokenized in pieces (`pieces`: each cut
+before the last space that a letter follows, else at the limit) and its EOS follows its last
+piece; `.txt` files and JSONL lines longer than `LONG_LINE` are read in pieces too, so memory
+does not grow with a record's size.
 
-Cache: the stream is written once as raw little-endian uint32 (`tokens.bin`) plus `header.json`
-(counts, digests), under `CACHE/<key>/`, where key = sha256 of (format version, tokenizer digest,
-each source's digest). CACHE is `--token-cache DIR`, else `<parent of --out>/.token-cache`.
-Written to a temporary folder and renamed (atomic); opened read-only as a numpy memmap.
-No pickle anywhere: the header is JSON, the tokens raw integers.
+Cache (`workbench.train.token_cache`): the stream is written once as raw little-endian uint32
+(`tokens.bin`) plus `header.json` (counts, the digests of the inputs and of the tokens), under
+`CACHE/<key>/`, verified on use and rebuilt when damaged. CACHE is `--token-cache DIR`, else
+`<parent of --out>/.token-cache-<uid>`, a folder only its user can write (0700); a cache folder
+another user owns or can write is refused. No pickle anywhere: the header is JSON, the tokens
+raw integers.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,17 +40,25 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from workbench._io import atomic_write_json
+from workbench.train import jsonl_stream, token_cache
 from workbench.train.data import PackedSplit
 from workbench.train.distributed import DistInfo
+from workbench.train.token_cache import DTYPE, CacheError, TokenFile
 from workbench.train.tokenizer import Tokenizer, TokenizerError, check_fits, load_tokenizer
 
-FORMAT_VERSION = 1
-DTYPE = np.dtype("<u4")
 DATA_JSON = "data.json"
 # Without --val-data, this share of the train sequences (the last ones, at least one) is held out.
 HOLDOUT_FRACTION = 0.02
+# A tokenizer holds many times the size of the text it encodes at once: records are cut into
+# pieces of at most PIECE_CHARS characters, and at most _ENCODE_BATCH pieces or _BATCH_CHARS
+# characters go to it at once, so memory does not grow with a record's size.
+PIECE_CHARS = 1 << 16
 _ENCODE_BATCH = 512
+_BATCH_CHARS = 1 << 18
+# JSONL lines longer than this are parsed as a stream (their text in parts), not by json.loads.
+LONG_LINE = 1 << 20
+# Tokenization options: part of every cache key, so other options never reuse tokens.
+OPTIONS = {"piece_chars": PIECE_CHARS, "cut": "before the last space a letter follows"}
 
 
 class DataError(ValueError):
@@ -139,10 +152,17 @@ def _record_text(obj: Any, where: str, tok: Tokenizer) -> str:
     raise DataError(f"{where}: no 'text' field (nor chat 'messages'); keys: {sorted(obj)[:8]}")
 
 
-def _jsonl(path: Path, tok: Tokenizer) -> Iterator[tuple[str, str]]:
+def _jsonl(path: Path, tok: Tokenizer) -> Iterator[tuple[str | Iterable[str], str]]:
+    """Lines up to LONG_LINE bytes through json.loads; longer ones streamed
+    (`jsonl_stream`): their text comes in parts, read block by block."""
     with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
+        n = 0
+        while raw := f.readline(LONG_LINE):
+            n += 1
             where = f"{path}:{n}"
+            if len(raw) == LONG_LINE and not raw.endswith(b"\n"):
+                yield _streamed(f, raw, where, tok), where
+                continue
             if not raw.strip():
                 continue
             try:
@@ -150,6 +170,21 @@ def _jsonl(path: Path, tok: Tokenizer) -> Iterator[tuple[str, str]]:
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise DataError(f"{where}: invalid JSON ({e})") from e
             yield _record_text(obj, where, tok), where
+
+
+def _streamed(f, first: bytes, where: str, tok: Tokenizer) -> Iterator[str]:
+    def chat(messages):
+        return _record_text({"messages": messages}, where, tok)
+
+    try:
+        yield from jsonl_stream.text_parts(f, first, chat)
+    except KeyError as e:
+        raise DataError(f"{where}: no 'text' field (nor chat 'messages'); keys: "
+                        f"{e.args[0]}") from None
+    except TypeError as e:
+        raise DataError(f"{where}: {e}") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError included
+        raise DataError(f"{where}: invalid JSON ({e})") from e
 
 
 def _parquet(path: Path) -> Iterator[tuple[str, str]]:
@@ -171,9 +206,17 @@ def _parquet(path: Path) -> Iterator[tuple[str, str]]:
             row += 1
 
 
-def _txt(path: Path) -> Iterator[tuple[str, str]]:
+def _txt(path: Path) -> Iterator[tuple[Iterable[str], str]]:
+    yield _txt_parts(path), str(path)
+
+
+def _txt_parts(path: Path) -> Iterator[str]:
+    """The file's text in pieces of PIECE_CHARS characters (universal newlines, as
+    `Path.read_text` reads it), never the whole file at once."""
     try:
-        yield path.read_text(encoding="utf-8"), str(path)
+        with open(path, encoding="utf-8") as f:
+            while part := f.read(PIECE_CHARS):
+                yield part
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text ({e})") from e
 
@@ -216,7 +259,8 @@ def _load_hf(src: Source) -> Any:
                         "with datasets.save_to_disk elsewhere and pass that folder") from e
 
 
-def records(src: Source, tok: Tokenizer) -> Iterator[tuple[str, str]]:
+def records(src: Source, tok: Tokenizer) -> Iterator[tuple[str | Iterable[str], str]]:
+    """(text, where) per record; a `.txt` record's text comes as an iterable of parts."""
     if src.kind == "jsonl":
         yield from _jsonl(src.path, tok)
     elif src.kind == "parquet":
@@ -237,93 +281,130 @@ def records(src: Source, tok: Tokenizer) -> Iterator[tuple[str, str]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The token file.
+# Pieces and the token file.
 
 
-@dataclass(frozen=True)
-class TokenFile:
-    folder: Path
-    tokens: int
-    records: int
-    header: dict
-
-    def memmap(self) -> np.ndarray:
-        if self.tokens == 0:
-            return np.zeros(0, dtype=DTYPE)
-        return np.memmap(self.folder / "tokens.bin", dtype=DTYPE, mode="r", shape=(self.tokens,))
-
-
-def cache_key(tok: Tokenizer, digests: list[str]) -> str:
-    blob = json.dumps({"v": FORMAT_VERSION, "tokenizer": tok.digest, "eos": tok.eos_id,
-                       "sources": digests})
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]
-
-
-def _open(folder: Path) -> TokenFile | None:
-    hpath = folder / "header.json"
-    if not hpath.is_file():
-        return None
-    header = json.loads(hpath.read_text())
-    size = (folder / "tokens.bin").stat().st_size
-    if header.get("version") != FORMAT_VERSION or size != header["tokens"] * DTYPE.itemsize:
-        raise DataError(f"{folder}: token cache does not match its header (delete the folder)")
-    return TokenFile(folder, header["tokens"], header["records"], header)
+def pieces(parts: Iterable[str], limit: int = PIECE_CHARS) -> Iterator[str]:
+    """The text of one record, given as `parts`, re-cut into pieces of at most `limit`
+    characters. A cut lies before the last space within the limit that a letter follows (in
+    the byte-level pre-tokenizers of GPT-2, Llama 3 and Qwen such a space starts a pre-token,
+    so the pieces' ids equal the whole text's), else, when the window has none in its second
+    half, at the limit. An empty record is one empty piece."""
+    buf = ""
+    emitted = False
+    for part in parts:
+        buf += part
+        while len(buf) > limit:
+            cut = _cut(buf, limit)
+            yield buf[:cut]
+            buf = buf[cut:]
+            emitted = True
+    if buf or not emitted:
+        yield buf
 
 
-def _write_batch(texts: list[str], tok: Tokenizer, out, bar) -> int:
-    """Append the records' ids, each followed by EOS; returns the tokens written."""
-    ids = tok.hf(texts, add_special_tokens=False)["input_ids"]
-    flat = [t for row in ids for t in (*row, tok.eos_id)]
+def _cut(buf: str, limit: int) -> int:
+    p = limit
+    while (p := buf.rfind(" ", limit // 2, p)) > 0:
+        if buf[p + 1].isalpha():
+            return p
+    return limit
+
+
+def _encode(pending: list[tuple[str, bool]], tok: Tokenizer, out, bar) -> int:
+    """Append the pieces' ids, with EOS after each piece that ends a record; returns the
+    tokens written."""
+    ids = tok.hf([p for p, _ in pending], add_special_tokens=False,
+                 return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+    flat: list[int] = []
+    for row, (_, last) in zip(ids, pending):
+        flat += row
+        if last:
+            flat.append(tok.eos_id)
     np.asarray(flat, dtype=DTYPE).tofile(out)
-    bar.update(len(texts))
-    texts.clear()
+    bar.update(sum(last for _, last in pending))
+    pending.clear()
     return len(flat)
+
+
+def _inputs(digests: list[str], tok: Tokenizer) -> dict:
+    return {"options": OPTIONS, "tokenizer": tok.digest, "eos": tok.eos_id,
+            "sources": digests}
+
+
+def check_cache(cache: Path) -> Path:
+    """The cache folder, created private (0700) when missing; DataError when another user
+    owns it or others can write it (they could plant tokens)."""
+    try:
+        return token_cache.private_dir(cache, "token cache")
+    except CacheError as e:
+        raise DataError(str(e)) from None
 
 
 def tokenize_sources(sources: list[Source], tok: Tokenizer, cache: Path, *, name: str,
                      show_progress: bool = True) -> TokenFile:
-    """The token file of `sources` (in order) under `cache`, written on first use."""
+    """The token file of `sources` (in order) under `cache`: the verified entry when there
+    is one, else written now (a damaged entry is rebuilt, with one line saying so)."""
     from tqdm.auto import tqdm
 
+    check_cache(cache)
     digests = [source_digest(s) for s in sources]
-    folder = cache / cache_key(tok, digests)
-    found = _open(folder)
-    if found is not None:
+    inputs = _inputs(digests, tok)
+    digest = token_cache.inputs_digest(inputs)
+    folder = token_cache.entry_folder(cache, digest)
+    found = token_cache.open_entry(folder, digest)
+    if isinstance(found, TokenFile):
         return found
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = cache / f".tmp-{folder.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    if found is not None:
+        print(f"[data] token cache {folder} is damaged ({found}): rebuilding", flush=True)
+    tmp = token_cache.new_entry(cache, folder)
     n_tokens = n_records = 0
     try:
-        with open(tmp / "tokens.bin", "wb") as out, tqdm(desc=f"tokenize {name}", unit="rec",
-                                                         disable=not show_progress) as bar:
-            pending: list[str] = []
+        with open(tmp / token_cache.TOKENS, "wb") as out, \
+                tqdm(desc=f"tokenize {name}", unit="rec", disable=not show_progress) as bar:
+            pending: list[tuple[str, bool]] = []
+            chars = 0
             for src in sources:
                 for text, _where in records(src, tok):
-                    pending.append(text)
                     n_records += 1
-                    if len(pending) == _ENCODE_BATCH:
-                        n_tokens += _write_batch(pending, tok, out, bar)
+                    parts = (text,) if isinstance(text, str) else text
+                    for piece, last in _with_last(pieces(parts)):
+                        pending.append((piece, last))
+                        chars += len(piece)
+                        if len(pending) == _ENCODE_BATCH or chars >= _BATCH_CHARS:
+                            n_tokens += _encode(pending, tok, out, bar)
+                            chars = 0
             if pending:
-                n_tokens += _write_batch(pending, tok, out, bar)
+                n_tokens += _encode(pending, tok, out, bar)
             out.flush()
             os.fsync(out.fileno())
-        header = {"version": FORMAT_VERSION, "dtype": "uint32-le", "tokens": n_tokens,
-                  "records": n_records, "eos_id": tok.eos_id, "tokenizer": tok.path,
-                  "tokenizer_digest": tok.digest,
-                  "sources": [{"source": s.spec, "sha256": d} for s, d in zip(sources, digests)]}
-        atomic_write_json(tmp / "header.json", header)
         if n_records == 0:
             raise DataError(f"{name} data {[s.spec for s in sources]}: empty dataset (no records)")
-        try:
-            os.rename(tmp, folder)
-        except OSError:  # another run wrote the same key meanwhile: equal by construction
-            if _open(folder) is None:
-                raise
+        token_cache.seal_entry(tmp, {
+            "dtype": "uint32-le", "tokens": n_tokens, "records": n_records,
+            "eos_id": tok.eos_id, "tokenizer": tok.path, "tokenizer_digest": tok.digest,
+            "options": OPTIONS, "inputs_sha256": digest,
+            "sources": [{"source": s.spec, "sha256": d} for s, d in zip(sources, digests)]})
+        token_cache.commit_entry(tmp, folder, damaged=found is not None)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return _open(folder)
+    entry = token_cache.open_entry(folder, digest)
+    if not isinstance(entry, TokenFile):
+        raise DataError(f"token cache {folder}: the entry just written does not verify ({entry})")
+    return entry
+
+
+def _with_last(items: Iterator[str]) -> Iterator[tuple[str, bool]]:
+    """(item, whether it is the last) for each item, looking one ahead."""
+    it = iter(items)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield prev, False
+        prev = item
+    yield prev, True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,8 +419,11 @@ class TrainData:
 
 
 def cache_dir(cfg) -> Path:
-    return Path(cfg.token_cache) if cfg.token_cache else Path(cfg.out).resolve().parent / \
-        ".token-cache"
+    """`--token-cache`, else a folder of this user's next to the run folder: on the file system
+    every rank already shares (the run folder's), and private (`check_cache`)."""
+    if cfg.token_cache:
+        return Path(cfg.token_cache)
+    return Path(cfg.out).resolve().parent / f".token-cache-{os.geteuid()}"
 
 
 def tokenizer_path(cfg) -> str:
@@ -379,6 +463,7 @@ def _prepare(cfg, vocab_rows: int, show_progress: bool) -> dict:
         "val_source": "val-data" if val_f else f"last {n_val} train sequences (held out)",
         "train_sequences": n_fit, "val_sequences": n_val, "seq_len": L,
         "tokenizer": str(Path(tok.path).resolve()), "tokenizer_digest": tok.digest,
+        "tokenizer_source": tok.source.record() if tok.source is not None else None,
         "eos_id": tok.eos_id, "vocab_size": tok.vocab_size,
         "train_cache": str(train_f.folder), "val_cache": str(val_f.folder) if val_f else None,
         "train_sources": train_f.header["sources"],

@@ -38,6 +38,7 @@ from torch import nn
 from workbench.train.data import global_batch, rank_slice
 from workbench.train.distributed import DistInfo, Layout, all_reduce_sum
 from workbench.train.fsdp import apply_fsdp, reshard_
+from workbench.train.init_source import init_checkpoint
 
 
 def kl_per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
@@ -56,7 +57,8 @@ def build_teacher(cfg, info: DistInfo, layout: Layout | None = None) -> nn.Modul
     from workbench.train.init import load_init
 
     teacher = build_model(cfg, info, overwritten=True, layout=layout)
-    load_init(cfg.init, teacher, info)  # into the plain EP-local tensors, before FSDP
+    # into the plain EP-local tensors, before FSDP; a remote --init is downloaded first
+    load_init(init_checkpoint(cfg.init, teacher, progress=info.is_main), teacher, info)
     teacher.requires_grad_(False)
     if info.device.type == "cuda":
         # Parameters only: the RoPE inverse frequencies (a buffer) stay fp32, as the student's.

@@ -22,7 +22,8 @@ layouts at fp32 accuracy.
 
 Fake quantization (workbench.qat) happens inside GroupedExperts.forward, on the parameters FSDP has
 just all-gathered: a rank quantizes the whole of each of its local experts, so per-expert scales
-(NVFP4's amax) are those of the unsharded model (test: tests/train/test_fsdp.py).
+(NVFP4's amax) are those of the unsharded model (test: tests/train/test_fsdp.py). The experts'
+seam receives its weights by role, so FSDP swapping the registered parameters needs nothing here.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import torch
 from torch import nn
 
 from workbench.model.experts import GroupedExperts
-from workbench.qat.prepare import GroupedSeam
 from workbench.train.distributed import Layout
 
 EXPERT_DIM = 1  # the dim FSDP shards expert stacks on (see the module doc)
@@ -58,9 +58,6 @@ def apply_fsdp(model: nn.Module, layout: Layout, device: torch.device) -> nn.Mod
     for layer in model.model.layers:
         for module in layer.modules():
             if isinstance(module, GroupedExperts):
-                seam = module.__dict__.get("grouped_mm")
-                if isinstance(seam, GroupedSeam):  # FSDP swaps the registered parameters
-                    seam.match_by_name(module)
                 fully_shard(module, mesh=dp_mesh, mp_policy=mp,
                             shard_placement_fn=lambda _p: Shard(EXPERT_DIM))
                 module.set_gradient_divide_factor(float(layout.world))

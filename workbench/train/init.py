@@ -16,9 +16,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from workbench.checkpoint import Checkpoint
 from workbench.checkpoint.dcp import CheckpointStorageReader, LocalChunkLoadPlanner
 from workbench.model.experts import GroupedExperts
-from workbench.train.distributed import DistInfo
+from workbench.train.distributed import DistInfo, all_reduce_sum
 
 _PROJ = {"w1": "gate", "w3": "up", "w2": "down"}
 
@@ -49,9 +50,11 @@ def init_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str
 
 
 @torch.no_grad()
-def load_init(path: str | Path, model: nn.Module, info: DistInfo) -> dict:
-    """Collective: fill `model` from the HF checkpoint at `path`; returns read statistics."""
-    reader = CheckpointStorageReader(str(path))
+def load_init(path: str | Path | Checkpoint, model: nn.Module, info: DistInfo) -> dict:
+    """Collective: fill `model` from the HF checkpoint at `path` (or an opened one, e.g.
+    `workbench.train.init_source.init_checkpoint`); returns read statistics."""
+    reader = CheckpointStorageReader(path)
+    path = reader.ck.source.label()
     md = reader.read_metadata().state_dict_metadata
     sd, offsets = init_state_dict(model)
     for name, t in sd.items():
@@ -66,4 +69,28 @@ def load_init(path: str | Path, model: nn.Module, info: DistInfo) -> dict:
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.load(sd, storage_reader=reader, planner=LocalChunkLoadPlanner(offsets),
                  process_group=info.group, no_dist=info.group is None)
+    _refuse_nonfinite(path, sd, offsets, info)
     return {"bytes_read": reader.bytes_read, "items_read": reader.items_read}
+
+
+def _refuse_nonfinite(path, sd: dict[str, torch.Tensor], offsets: dict[str, tuple],
+                      info: DistInfo) -> None:
+    """Collective: InitError on every rank when any rank's loaded weights hold NaN/Inf (one
+    isfinite pass over what this rank loaded; the flag is all-reduced so no rank trains on)."""
+    found = ""
+    for name, t in sd.items():
+        bad = ~torch.isfinite(t)
+        if not bool(bad.any()):
+            continue
+        n = int(bad.sum())
+        if name in offsets:  # an expert stack [E_local, out, in]: name the expert
+            e = int(bad.flatten(1).any(1).nonzero()[0]) + offsets[name][0]
+            found = f"{name} expert {e} holds {n} NaN/Inf values"
+        else:
+            found = f"{name} holds {n} NaN/Inf values"
+        break
+    flag = all_reduce_sum(torch.tensor([1.0 if found else 0.0], dtype=torch.float64,
+                                       device=info.device), info)
+    if found or float(flag.item()) > 0:
+        raise InitError(f"--init {path}: {found or 'another rank found NaN/Inf weights'}; "
+                        "refusing to train from non-finite weights")

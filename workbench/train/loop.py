@@ -14,6 +14,12 @@ ranks. `fake_quant_share` is the fraction of the step's time spent in the forwar
 quantization (`workbench.train.fqtime`: wall time on CPU, CUDA events on GPU, no added
 synchronisation), averaged over ranks; 0 for bf16, absent if the hook is unavailable.
 
+Non-finite steps: a step whose objective or global gradient norm is NaN/Inf (on any rank: the
+flag is all-reduced, so every rank decides alike) never reaches the optimizer. By default the run
+stops there (`NonFiniteStep`: the step, the values and the last good checkpoint; the CLI exits
+2, nothing is exported); with `skip_nonfinite_steps` N it skips up to N such steps (no optimizer
+or LR step, the next step trains on the next batch), counted as `skipped_steps` in metrics.
+
 Preemption seam: `request_stop()` only sets a flag (safe inside a signal handler). At every step
 boundary the ranks all-reduce it; if any rank asked, all ranks write a DCP checkpoint and
 `train` returns with `stopped=True`. Nothing else in the loop is interrupted mid-step.
@@ -63,6 +69,11 @@ def request_stop() -> None:
 def clear_stop() -> None:
     global _stop_requested
     _stop_requested = False
+
+
+class NonFiniteStep(RuntimeError):
+    """A step's loss or gradient is NaN/Inf and no more skips are allowed; the message names the
+    step, the values and the last good checkpoint."""
 
 
 def _any_rank_stopping(info: DistInfo) -> bool:
@@ -171,20 +182,30 @@ def validate(model, val_tokens: torch.Tensor, cfg: TrainConfig, info: DistInfo) 
                                          seq=cfg.seq, split="val"), info.rank, info.world)
         tok_BS = tok_BS.to(info.device)
         with _autocast(info):
-            out = model(tok_BS, labels_BS=tok_BS)
+            out = model(tok_BS, labels_BS=tok_BS, return_logits=False)
         total += float(out.ce_loss)
     model.train()
     return _mean_over_ranks(total / cfg.val_batches, info)
 
 
+def _finite_everywhere(objective: torch.Tensor, norm: torch.Tensor, info: DistInfo) -> bool:
+    """Whether the objective on every rank and the (global) gradient norm are finite: one
+    scalar all-reduce and the host synchronisation a decision before `opt.step()` needs."""
+    bad = (~torch.isfinite(objective.detach().float()) | ~torch.isfinite(norm)).double()
+    return not bool(all_reduce_sum(bad.reshape(1), info).item() > 0)
+
+
 def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, info: DistInfo,
                step: int, fq_timer: FakeQuantTimer | None = None, teacher=None,
-               measure_memory: bool = False) -> dict[str, Any]:
+               measure_memory: bool = False, logits: bool = False) -> dict[str, Any]:
     """One optimizer step on the global batch of `step` (this rank's slice); returns its metrics.
     With an entered `fq_timer`, the record has `fake_quant_share` too; with a `teacher`
     (workbench.train.distill) the objective is the distillation one and the record has `kl`;
     with `measure_memory`, the `mem_*_bytes` this rank holds (max over ranks;
-    `workbench.train.memory`)."""
+    `workbench.train.memory`). `logits`: make the [B, S, V] logits (the plain head and loss)
+    even without a teacher, for comparing the two paths (default: only when distilling).
+    A step whose objective or gradient norm is NaN/Inf updates nothing and its record has
+    `nonfinite: True` (the caller stops or skips)."""
     from workbench.model import sync_gradients
 
     timing = fq_timer is not None and fq_timer.available
@@ -196,7 +217,9 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
     kl = []
     meter = SavedTensorMeter(model) if measure_memory else contextlib.nullcontext()
     with _autocast(info), meter:
-        res = model(tok_BS, labels_BS=tok_BS)
+        # the [B, S, V] logits only when distillation needs them (workbench.model.loss)
+        want_logits = bool(logits) or teacher is not None
+        res = model(tok_BS, labels_BS=tok_BS, return_logits=want_logits)
         objective = res.loss
         if teacher is not None:
             objective, kl_t = distill.objective(res, teacher, tok_BS, cfg,
@@ -208,10 +231,12 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
     if info.group is not None and not fsdp:  # under FSDP the backward reduced every gradient
         sync_gradients(model, info.group)
     norm = global_grad_norm(model, info)
-    _clip_(model, norm, cfg.grad_clip)
+    finite = _finite_everywhere(objective, norm, info)
     lr = opt.param_groups[0]["lr"]
-    opt.step()
-    sched.step()
+    if finite:
+        _clip_(model, norm, cfg.grad_clip)
+        opt.step()
+        sched.step()
     mem = {**state_bytes(model, opt), "mem_activations_bytes": meter.bytes} if measure_memory \
         else {}
     if mem and teacher is not None:  # the frozen teacher's weights this rank holds
@@ -232,11 +257,26 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
         rec["fake_quant_share"] = share
     if kl:
         rec["kl"] = kl[0]
+    if not finite:
+        rec["nonfinite"] = True
     if mem:
         names = sorted(mem)
         t = torch.tensor([float(mem[k]) for k in names], dtype=torch.float64, device=info.device)
         rec.update({k: int(v) for k, v in zip(names, all_reduce_max(t, info).tolist())})
     return rec
+
+
+def _values(rec: dict) -> str:
+    return f"loss {rec['loss']}, grad norm {rec['grad_norm']}"
+
+
+def _nonfinite_message(rec: dict, cfg: TrainConfig, out: Path, last_saved: int) -> str:
+    good = (f"the last good checkpoint is {ckpt.checkpoint_root(out) / f'step_{last_saved:08d}'}"
+            " (--resume continues from it)" if last_saved >= 0 else
+            "no checkpoint was written yet")
+    allowed = f"{cfg.skip_nonfinite_steps} skip(s) allowed, " if cfg.skip_nonfinite_steps else ""
+    return (f"step {rec['step']}: non-finite {_values(rec)}; stopped before the optimizer step, "
+            f"nothing exported; {good}; {allowed}--skip-nonfinite-steps N skips such steps")
 
 
 def check_fresh_start(cfg: TrainConfig) -> None:
@@ -297,6 +337,7 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
     last_saved = start if found is not None else -1
     last: dict[str, Any] = {}
     step = start
+    skipped = 0
     model.train()
     fq_timer = FakeQuantTimer().__enter__()
     try:
@@ -310,6 +351,18 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
             rec = train_step(model, opt, sched, corpus.train, cfg, info, step, fq_timer, teacher,
                              measure_memory=step == start + 1)
             loss = rec["loss"]
+            if rec.get("nonfinite"):
+                skipped += 1
+                rec["skipped_steps"] = skipped
+                if skipped > cfg.skip_nonfinite_steps:
+                    if info.is_main:
+                        writer.write(rec)  # the curve shows where it stopped
+                    raise NonFiniteStep(_nonfinite_message(rec, cfg, out, last_saved))
+                if info.is_main:
+                    print(f"[train] step {step}: {_values(rec)}: skipped ({skipped} of at most "
+                          f"{cfg.skip_nonfinite_steps})", flush=True)
+            elif skipped:
+                rec["skipped_steps"] = skipped
             if cfg.val_every and (step % cfg.val_every == 0 or step == cfg.steps):
                 if teacher is not None:
                     rec.update(distill.validate(model, teacher, corpus.val, cfg, info,

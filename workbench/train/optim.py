@@ -1,22 +1,23 @@
-"""AdamW whose update of an NVFP4 expert stack also produces that stack's per-expert amax.
+"""AdamW whose update of an expert weight stack can also produce that stack's per-expert abs-max.
 
 Why this class exists: NVFP4 QAT fake-quantizes each expert weight stack with one global amax
-per expert (`workbench.qat.ste.expert_amax`), a full read of the weights in every step's forward.
-The weights only change here, at the optimizer step, so the kernel that writes the new weights can
-reduce their abs-max on the way out and hand it to the fake quantization
-(`ste.seed_amax`): the forward then skips its amax pass. The amax is exact (the abs-max of the
-stored, rounded values, NaN propagating as `w.abs().amax()`), not delayed, so the fake-quantized
-bits are the same as before.
+per expert, a full read of the weights in every step's forward. The weights only change here, at
+the optimizer step, so the kernel that writes the new weights can reduce their abs-max on the way
+out and hand it on: to an ``amax_sink`` (``AmaxSink``: which parameters it wants, where the result
+goes), which the trainer connects to QAT (``workbench.qat.QATState.optimizer_sink``); the forward
+then skips its amax pass. This module knows nothing of quantization: it produces, for the
+parameters the sink wants, the exact abs-max of the stored, rounded values (NaN propagating as
+``w.abs().amax()``), not a delayed one, so the fake-quantized bits are the same as without it.
 
 The arithmetic is torch's single-tensor AdamW (`torch.optim.adam._single_tensor_adam`,
-decoupled weight decay), on the state torch's `_init_group` creates, so state dicts,
+decoupled weight decay), on torch's state layout (created in ``_state``), so state dicts,
 `workbench.train.checkpointing` and DCP checkpoints are interchangeable with
 `torch.optim.AdamW(foreach=False)`. Where it runs:
 - fp32 parameters on a GPU (the trainer's masters): the whole step in one Triton kernel,
   `workbench.kernels.adamw_step_`, which mirrors torch's CUDA rounding op for op (torch's eight
   elementwise kernels move 84 bytes per element, this one 28; jobs/gpu/adamw_bits.py checks the
-  bits) and, for a wanted NVFP4 stack, reduces its amax on the way out;
-- bf16 expert stacks whose amax is wanted: torch's ops, then the last one,
+  bits) and, for a wanted stack, reduces its amax on the way out;
+- bf16 expert stacks the sink wants: torch's ops, then the last one,
   `param.addcdiv_(exp_avg, denom, value=-step_size)`, in `workbench.kernels.addcdiv_amax_`;
 - everything else (CPU, DTensor parameters, `whole_step=False`, `amax_path="never"`): torch's
   ops unchanged, and no amax.
@@ -29,14 +30,14 @@ ValueError naming the option.
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 
 from workbench import kernels
-from workbench.qat import ste
 
 _log = logging.getLogger(__name__)
-_LOGGED: set[str] = set()
+_LOGGED: set[str] = set()  # (device, path) keys already logged: once per process
 
 
 def _log_path(key: str, what: str, path: str) -> None:
@@ -45,11 +46,25 @@ def _log_path(key: str, what: str, path: str) -> None:
         _LOGGED.add(key)
         _log.info("AdamW update of %s: %s", what, path)
 
+
+
+class AmaxSink(Protocol):
+    """Where the per-expert abs-max of an updated expert stack goes.
+
+    ``wants(param)``: whether the update of this parameter (a plain [E, ...] tensor) should
+    produce it; ``put(param, amax)``: after the write (its version counter already bumped), the
+    [E, 1, ...] fp32 abs-max of each expert's stored values, NaN propagating."""
+
+    def wants(self, param: torch.Tensor) -> bool: ...
+
+    def put(self, param: torch.Tensor, amax: torch.Tensor) -> None: ...
+
+
 # amax_path: where the update of a wanted 3-D stack runs fused with its amax.
 #   "auto"   plain CUDA tensors, when the Triton kernels import (the trainer's setting)
 #   "always" also CPU tensors: the kernel under the Triton interpreter (TRITON_INTERPRET=1), for
 #            the CPU tests of the fused path
-#   "never"  torch's ops everywhere (the amax is then computed by the next fake quantization)
+#   "never"  torch's ops everywhere, no amax (the forward then computes it)
 AMAX_PATHS = ("auto", "always", "never")
 _OFF_OPTIONS = ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable")
 
@@ -66,10 +81,10 @@ def _check_group(group: dict) -> None:
 
 
 class AdamW(torch.optim.AdamW):
-    """``torch.optim.AdamW`` (single-tensor arithmetic) whose update of a wanted NVFP4 expert
-    stack seeds that stack's per-expert amax; see the module doc.
+    """``torch.optim.AdamW`` (single-tensor arithmetic) whose update of an expert stack that
+    ``amax_sink`` wants also produces that stack's per-expert abs-max; see the module doc.
 
-    ``amax_path``: one of ``AMAX_PATHS`` (default "auto"); it also says where ``whole_step``
+    ``amax_sink``: an ``AmaxSink`` (None: no amax is produced). ``amax_path``: one of ``AMAX_PATHS`` (default "auto"); it also says where ``whole_step``
     may run. ``whole_step``: fp32 parameters take the whole update in one kernel
     (``kernels.adamw_step_``, torch's CUDA bits), an NVFP4 stack's amax included; False keeps
     torch's ops for all but the amax-producing last op. ``contract``: the fused kernels'
@@ -81,13 +96,14 @@ class AdamW(torch.optim.AdamW):
                  foreach: bool | None = None, capturable: bool = False,
                  differentiable: bool = False, fused: bool | None = None,
                  amax_path: str = "auto", contract: bool = True,
-                 whole_step: bool = True) -> None:
+                 whole_step: bool = True, amax_sink: AmaxSink | None = None) -> None:
         if amax_path not in AMAX_PATHS:
             raise ValueError(f"amax_path must be one of {AMAX_PATHS}, got {amax_path!r}")
         _check_group({"lr": lr, "betas": betas, "amsgrad": amsgrad, "maximize": maximize,
                       "foreach": foreach, "capturable": capturable,
                       "differentiable": differentiable, "fused": fused})
         self.amax_path = amax_path
+        self.amax_sink = amax_sink
         self.contract = bool(contract)
         self.whole_step = bool(whole_step)
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
@@ -125,14 +141,29 @@ class AdamW(torch.optim.AdamW):
             return False
         if p.dtype not in (torch.bfloat16, torch.float32) or p.numel() == 0:
             return False
-        if not all(t.is_contiguous() for t in (p, exp_avg, denom)) or not ste.amax_wanted(p):
+        if not all(t.is_contiguous() for t in (p, exp_avg, denom)) or not self._wants(p):
             return False
         fused = kernels.available()
         _log_path(f"{p.device.type}:{'fused' if fused else 'torch'}",
-                  f"NVFP4 expert stacks on {p.device.type}",
-                  "Triton update + amax (seeds the fake-quant amax)" if fused
-                  else "torch ops (Triton unavailable; the forward computes the amax)")
+                  f"expert stacks whose amax is wanted, on {p.device.type}",
+                  "Triton update + amax (to the amax sink)" if fused
+                  else "torch ops (Triton unavailable; no amax)")
         return fused
+
+    def _wants(self, p: torch.Tensor) -> bool:
+        return self.amax_sink is not None and p.dim() >= 2 and self.amax_sink.wants(p)
+
+    def _state(self, p: torch.Tensor) -> dict:
+        """``p``'s state, created on its first step as torch's AdamW creates it (non-capturable,
+        non-fused): the layout its state dicts and our checkpoints hold (tests/train/test_optim.py
+        compares both ways), without torch's private ``_init_group``."""
+        st = self.state[p]
+        if not st:
+            scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+            st["step"] = torch.tensor(0.0, dtype=scalar)
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return st
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -143,31 +174,31 @@ class AdamW(torch.optim.AdamW):
                 loss = closure()
         for group in self.param_groups:
             _check_group(group)
-            params: list[torch.Tensor] = []
-            grads: list[torch.Tensor] = []
-            exp_avgs: list[torch.Tensor] = []
-            exp_avg_sqs: list[torch.Tensor] = []
-            steps: list[torch.Tensor] = []
-            # torch's own lazy state initialisation: the same state layout by construction
-            if self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, [], steps):
-                raise ValueError("workbench.train.optim.AdamW does not support complex params")
             beta1, beta2 = group["betas"]
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            for param, grad, exp_avg, exp_avg_sq, step_t in zip(
-                    params, grads, exp_avgs, exp_avg_sqs, steps):
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                grad = param.grad
+                if grad.is_sparse or torch.is_complex(param):
+                    raise ValueError("workbench.train.optim.AdamW does not support sparse "
+                                     "gradients or complex parameters")
+                st = self._state(param)
+                exp_avg, exp_avg_sq, step_t = st["exp_avg"], st["exp_avg_sq"], st["step"]
                 step_t += 1
                 if self._whole(param, grad, exp_avg, exp_avg_sq):
-                    wanted = param.dim() == 3 and ste.amax_wanted(param)
+                    wanted = param.dim() == 3 and self._wants(param)
                     amax = kernels.adamw_step_(
                         param.detach(), grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1,
                         beta2=beta2, eps=eps, weight_decay=wd, step=step_t.item(),
                         amax=wanted, contract=self.contract)
-                    # raw writes: bump the versions torch's in-place ops would have (the amax
-                    # cache and the activation slot know a tensor's values by its version)
+                    # raw writes: bump the versions torch's in-place ops would have (readers
+                    # that know a tensor's values by its version, autograd's saved-tensor
+                    # checks and the amax sink's entries, see the new values as new)
                     for t in (param, exp_avg, exp_avg_sq):
                         torch.autograd.graph.increment_version(t)
                     if wanted:
-                        ste.seed_amax(param, amax)
+                        self.amax_sink.put(param, amax)
                     continue
                 if wd != 0:
                     param.mul_(1 - lr * wd)
@@ -183,9 +214,9 @@ class AdamW(torch.optim.AdamW):
                     amax = kernels.addcdiv_amax_(param.detach(), exp_avg, denom, -step_size,
                                                  contract=self.contract)
                     # a kernel's raw write does not count as one: without the bump the new
-                    # values would share the version the amax cache knows the old ones by
+                    # values would share the version the old ones were known by
                     torch.autograd.graph.increment_version(param)
-                    ste.seed_amax(param, amax)
+                    self.amax_sink.put(param, amax)
                 else:
                     param.addcdiv_(exp_avg, denom, value=-step_size)
         return loss

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workbench.arch import PRESETS, MoEConfig, from_hf_config, preset
+from workbench.source import SourceError, resolve
 from workbench.train.memory import ACT_CKPT_MODES, GIB, RankMemory, param_counts, rank_memory
 
 # What a rank needs besides the trainer's tensors: CUDA context, NCCL buffers, the allocator's
@@ -201,10 +202,15 @@ def plan(model_config: MoEConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: f
 
 
 def model_config_of(source: str) -> MoEConfig:
-    """A model preset name, or a checkpoint folder with a Qwen3-MoE `config.json`."""
+    """A model preset name, or a checkpoint (folder or hub id ``org/name[@revision]``,
+    `workbench.source.resolve`) with a Qwen3-MoE `config.json`."""
     if source in PRESETS:
         return preset(source)
-    path = Path(source) / "config.json"
+    try:
+        src = resolve(source, need="config")
+    except SourceError as e:
+        raise PlanError(str(e)) from None
+    path = Path(src.path if src.path is not None else source) / "config.json"
     if not path.is_file():
         raise PlanError(f"{source}: neither a model preset ({', '.join(sorted(PRESETS))}) nor a "
                         "folder with config.json")

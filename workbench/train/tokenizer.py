@@ -1,6 +1,8 @@
-"""The run's tokenizer: the --init checkpoint's own (or --tokenizer PATH), through transformers'
+"""The run's tokenizer: the --init checkpoint's own (or --tokenizer SPEC), through transformers'
 `AutoTokenizer`, offline (`local_files_only=True`) and without `trust_remote_code`, so a
-checkpoint folder can never run code of its own.
+checkpoint folder can never run code of its own. SPEC is a folder or a hub id
+(`org/name[@revision]`, resolved by `workbench.source.resolve`: the Hugging Face cache first,
+then, unless HF_HUB_OFFLINE is set, a download of the tokenizer files alone into the cache).
 
 The digest of the tokenizer files keys the token cache (`workbench.train.datasets`): another
 tokenizer, or an edited one, never reuses tokens it did not produce.
@@ -14,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from workbench._io import atomic_write_bytes
+from workbench.source import TOKENIZER_FILES, Source, SourceError, resolve
 
-# The files a Hugging Face tokenizer folder may hold (fast or slow, with chat templates).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
-                   "chat_template.jinja", "chat_template.json")
+__all__ = ["TOKENIZER_FILES", "Tokenizer", "TokenizerError", "check_fits", "copy_tokenizer",
+           "files_digest", "load_tokenizer", "tokenizer_files", "train_bpe"]
 
 
 class TokenizerError(ValueError):
@@ -32,6 +33,7 @@ class Tokenizer:
     eos_id: int
     vocab_size: int  # len(tokenizer): base vocabulary plus added tokens
     digest: str  # sha256 over the tokenizer files (names and contents)
+    source: Source | None = None  # what the spec resolved to (hub id and commit, or folder)
 
     def encode(self, text: str) -> list[int]:
         """The documented convention's ids of one record: no special tokens (no BOS), no EOS."""
@@ -60,9 +62,17 @@ def files_digest(files: list[Path]) -> str:
     return h.hexdigest()
 
 
-def load_tokenizer(path: str | Path, *, flag: str = "--tokenizer") -> Tokenizer:
-    """Load the tokenizer folder `path` offline. `flag` names where the path came from."""
-    folder = Path(path)
+def load_tokenizer(path: str | Path | Source, *, flag: str = "--tokenizer") -> Tokenizer:
+    """Load the tokenizer of folder or hub id `path` (see the module docstring); transformers
+    reads it offline. `flag` names where the spec came from."""
+    try:
+        src = resolve(path, need="tokenizer")
+    except SourceError as e:
+        raise TokenizerError(f"{flag} {path}: {e}") from None
+    if src.path is None:  # a URL: tokenizers are small, fetch them with `hf download`
+        raise TokenizerError(f"{flag} {path}: a tokenizer must be a folder or a hub id, not a "
+                             "URL")
+    folder = Path(src.path)
     files = tokenizer_files(folder)
     if not folder.is_dir() or not files:
         raise TokenizerError(f"{flag} {folder}: no tokenizer files there (expected "
@@ -80,7 +90,7 @@ def load_tokenizer(path: str | Path, *, flag: str = "--tokenizer") -> Tokenizer:
     if hf.eos_token_id is None:
         raise TokenizerError(f"{flag} {folder}: the tokenizer has no EOS token (eos_token in "
                              "tokenizer_config.json); records are separated by EOS")
-    return Tokenizer(str(folder), hf, int(hf.eos_token_id), len(hf), files_digest(files))
+    return Tokenizer(str(folder), hf, int(hf.eos_token_id), len(hf), files_digest(files), src)
 
 
 def check_fits(tok: Tokenizer, embedding_rows: int) -> None:

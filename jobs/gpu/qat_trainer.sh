@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 19 on one H200, one command (about 8 minutes; every stage has its own time limit so the
+# QAT kernels, expert layer, trainer and EP1 protocol on one H200, one command (about 8 minutes; every stage has its own time limit so the
 # whole stays under the device tool's 600 s):
-#   tests  the GPU tests this issue touches (cached amax + one-pass quantize, the grouped fast
-#          path, the model's CUDA tests) and the CPU tests of the amax cache and the atomic-free
+#   tests  the GPU tests of the QAT path (amax book + one-pass quantize, the grouped fast
+#          path, the model's CUDA tests) and the CPU tests of the amax book and the atomic-free
 #          combine (the full kernel suite: tests/kernels/run_gpu.sh)       -> $OUT/tests.log
 #   bits   jobs/gpu/swiglu_bits.py: the fused SwiGLU kernels against torch's CUDA ops, every
 #          bf16 gate value (and which CONTRACT is torch's silu_backward)  -> $OUT/swiglu_bits.log
@@ -18,14 +18,14 @@
 #   ep2    jobs/gpu/ep2_protocol.sh --nproc 1 --deterministic: bitwise resume on the GPU
 #                                                          -> $OUT/ep1/summary.md (+ its files)
 # Usage (device tool, kind nvidia-h200, nothing to carry: no torchao, wandb or submitit needed):
-#   bash jobs/gpu/issue19.sh
-#   STAGES=ep2 bash jobs/gpu/issue19.sh          # the resume check alone, if the first call ran out
-#   STAGES=moe,train bash jobs/gpu/issue19.sh    # a subset; EP1_STEPS / TRAIN_ARGS override sizes
-#   STAGES=train TRAIN_T=400 TRAIN_ARGS="--swiglu-ab --profile 3" bash jobs/gpu/issue19.sh
+#   bash jobs/gpu/qat_trainer.sh
+#   STAGES=ep2 bash jobs/gpu/qat_trainer.sh          # the resume check alone, if the first call ran out
+#   STAGES=moe,train bash jobs/gpu/qat_trainer.sh    # a subset; EP1_STEPS / TRAIN_ARGS override sizes
+#   STAGES=train TRAIN_T=400 TRAIN_ARGS="--swiglu-ab --profile 3" bash jobs/gpu/qat_trainer.sh
 #                                                # the fused SwiGLU's trainer A/B with kernel times
-#   DRY_RUN=cpu bash jobs/gpu/issue19.sh         # every stage at CPU sizes (tiny preset, --cpu)
+#   DRY_RUN=cpu bash jobs/gpu/qat_trainer.sh         # every stage at CPU sizes (tiny preset, --cpu)
 set -uo pipefail
-JOB_NAME=issue19
+JOB_NAME=qat_trainer
 source "$(dirname "$0")/_env.sh"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 WANDB_MODE=disabled
 STAGES=${STAGES:-tests,bits,moe,train,ep2}
@@ -44,9 +44,13 @@ fi
 if [[ $STAGES == *tests* ]]; then
   stamp "tests"
   timeout "$TESTS_T" "$PY" -m pytest tests/kernels/test_amax_cache_gpu.py tests/kernels/test_grouped_gpu.py \
-    tests/kernels/test_swiglu.py tests/kernels/test_codecs.py tests/kernels/test_dispatch.py tests/model/test_model_gpu.py tests/qat/test_amax_cache.py \
-    tests/train/test_deterministic_combine.py tests/train/test_optim_gpu.py tests/kernels/test_sumsq.py tests/model/test_cast.py -q -rfE -p no:cacheprovider 2>&1 \
+    tests/kernels/test_swiglu.py tests/kernels/test_codecs.py tests/kernels/test_dispatch.py tests/model/test_model_gpu.py tests/qat/test_amax_book.py \
+    tests/train/test_deterministic_combine.py tests/train/test_optim_gpu.py tests/kernels/test_sumsq.py tests/model/test_cast.py \
+    tests/model/test_linear_cross_entropy.py -q -rfE -p no:cacheprovider 2>&1 \
     | tee "$OUT/tests.log" | tail -15
+  # every other GPU-marked test of the QAT path
+  timeout 120 "$PY" -m pytest -m gpu tests/qat tests/train/test_fsdp.py -q -rfE -p no:cacheprovider 2>&1 \
+    | tee -a "$OUT/tests.log" | tail -5
 fi
 if [[ $STAGES == *bits* ]] && [ "${DRY_RUN:-}" != cpu ]; then
   stamp "swiglu_bits"
@@ -60,7 +64,7 @@ if [[ $STAGES == *moe* ]]; then
       plain) extra=() ;;
       optimizer) extra=(--optimizer) ;;
       fp32) extra=(--optimizer --masters fp32) ;;
-      *) echo "issue19.sh: unknown MOE_VARIANTS entry '$variant'" >&2; exit 2 ;;
+      *) echo "qat_trainer.sh: unknown MOE_VARIANTS entry '$variant'" >&2; exit 2 ;;
     esac
     stamp "bench_qat_moe ${MOE_ARGS[*]} ${extra[*]}"
     mkdir -p "$OUT/moe-$variant"

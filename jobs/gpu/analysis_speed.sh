@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 20 on one H200, one command: the stack readers of the batched analysis path side by side
+# Per-expert analysis speed on one H200, one command: the stack readers of the batched analysis path side by side
 # in ONE run, so the default reader is measured against its own baseline on the same files:
 #   tests   the GPU analysis tests and the reader tests (tests/analysis/test_fast_gpu.py,
 #           tests/checkpoint/test_read_into.py, tests/checkpoint/test_stacks.py)
@@ -16,19 +16,19 @@
 #   reference  the third question, both readers: MXFP4 against its BF16 reference, $REF_GB GB
 #           of BF16 (12: a 15 GB pair, 10 layers)                   -> $OUT/reference/
 # Usage (device tool, kind nvidia-h200, nothing to carry: the analysis imports no torchao):
-#   bash jobs/gpu/issue20.sh                  # tests + bench (~6 minutes at 15 GB)
-#   STAGES=formats bash jobs/gpu/issue20.sh   # ~3 minutes at 15 GB
-#   STAGES=tests,reference bash jobs/gpu/issue20.sh   # ~3 minutes
-#   SIZE_GB=6 bash jobs/gpu/issue20.sh        # smaller, if the 540 s of a call are short
-#   STAGES=profile bash jobs/gpu/issue20.sh   # where a pass's time goes (jobs/gpu/analysis_profile.py,
+#   bash jobs/gpu/analysis_speed.sh                  # tests + bench (~6 minutes at 15 GB)
+#   STAGES=formats bash jobs/gpu/analysis_speed.sh   # ~3 minutes at 15 GB
+#   STAGES=tests,reference bash jobs/gpu/analysis_speed.sh   # ~3 minutes
+#   SIZE_GB=6 bash jobs/gpu/analysis_speed.sh        # smaller, if the 540 s of a call are short
+#   STAGES=profile bash jobs/gpu/analysis_speed.sh   # where a pass's time goes (jobs/gpu/analysis_profile.py,
 #                                             # about 4 minutes at 15 GB)  -> $OUT/analysis_profile.md
-#   STAGES=profile-reference bash jobs/gpu/issue20.sh  # the same for reference errors (~3 minutes)
+#   STAGES=profile-reference bash jobs/gpu/analysis_speed.sh  # the same for reference errors (~3 minutes)
 #                                             # -> $OUT/analysis_profile_reference.md
 # Time, from the 2026-12-03 run (15.1 GB, read 1.27 GB/s, calls of 17-30 s): ~15 s to write, ~10 s
 # to read, 2 questions x 2 readers x 2 calls of <= 30 s: about 5 minutes; the bench writes its
 # table after each format, so a cut run still leaves it.
 set -uo pipefail
-JOB_NAME=issue20
+JOB_NAME=analysis_speed
 source "$(dirname "$0")/_env.sh"
 STAGES=${STAGES:-tests,bench}
 SIZE_GB=${SIZE_GB:-15}
