@@ -317,8 +317,8 @@ def _remote(ck):
 
 
 def test_shards_that_are_not_local_are_read_by_preadv(tmp_path):
-    """A checkpoint whose shards are read by byte ranges gets the preadv reader, whatever was
-    asked for, and the plan says why; either side of question 2 counts."""
+    """A checkpoint whose shards are read by byte ranges gets the preadv reader for "auto" and
+    "window", and the plan says why; either side of question 2 counts."""
     mx, bf16 = _small_ckpts(tmp_path)
     remote = _remote(mx)
     for reader in ("auto", "window"):

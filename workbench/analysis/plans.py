@@ -25,8 +25,8 @@ What "auto" decides: ``batched`` on CUDA; on CPU ``fused`` for jobs of at least
 of ``job_units`` recorded by an earlier fused call: nothing left to compile, so ``fused`` at any
 size) and no compile has failed in it. The reader: ``window`` on CUDA, ``safetensors`` on CPU
 (see ``READER_WHY``); a checkpoint whose shards are not all local files (``ck.is_local``, a
-remote folder read by byte ranges) takes ``preadv``, whatever was asked: its ranged reads run
-in parallel, where a window would fetch the bytes between the tensors asked for.
+remote folder read by byte ranges) takes ``preadv`` for "auto" and "window": its ranged reads
+run in parallel, where a window would fetch the bytes between the tensors asked for.
 """
 
 from __future__ import annotations
