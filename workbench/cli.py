@@ -98,6 +98,12 @@ def _train(args) -> int:
     console(args.argv, prog="workbench train")
 
 
+def _eval(args) -> int:
+    from workbench.eval.cli import main as eval_main  # lm-eval loads only for this subcommand
+
+    return eval_main(args.argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="workbench", description="MoE QAT workbench")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -133,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
                    choices=("off", "full", "selective"))
     p.set_defaults(func=_plan)
     add_compare(sub)
+    # Every word after "eval" (options too: no prefix char is "-") goes to workbench.eval.cli.
+    p = sub.add_parser("eval", add_help=False, prefix_chars="\0", help="downstream evaluation "
+                       "(lm-eval) of BF16, PTQ and QAT models side by side (workbench eval --help)")
+    p.add_argument("argv", nargs="*")
+    p.set_defaults(func=_eval)
     args = ap.parse_args(argv)
     from workbench.analysis.inspect import InspectArgError
     from workbench.checkpoint import CheckpointError

@@ -83,3 +83,20 @@ def test_compiled_layers_train_like_the_eager_ones(tmp_path):
                                for s in range(1, 4)]
         assert params == {id(p) for p in b.model.parameters()}
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-4, atol=1e-5)
+
+
+def test_a_run_as_long_as_the_model_allows_trains(tmp_path):
+    """--seq equal to the model's max_seq_len: each batch row holds seq + 1 tokens (the last one
+    only a label), so the model is built to take them."""
+    from workbench.train.build import model_config
+    from workbench.train.data import load_corpus
+    from workbench.train.loop import train_step
+
+    seq = tiny().max_seq_len
+    cfg = config_from_args([*TINY, "--seq", str(seq), "--batch", "2",
+                            "--out", str(tmp_path / "r")])
+    assert model_config(cfg).max_seq_len == seq + 1
+    info = distributed.setup()
+    b = build(cfg, info)
+    rec = train_step(b.model, b.opt, b.sched, load_corpus().train, cfg, info, 1)
+    assert rec["loss"] > 0

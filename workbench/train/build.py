@@ -48,10 +48,11 @@ def lr_factor(i: int, *, warmup: int, steps: int, min_ratio: float) -> float:
 
 def model_config(cfg: TrainConfig):
     """The model's MoEConfig: the preset's, or (no preset) the --init checkpoint's config.json.
-    max_seq_len grows to --seq when a run trains on longer sequences than the preset lists."""
+    max_seq_len grows to --seq + 1 when a run trains on longer sequences than the preset lists."""
     mcfg = preset(cfg.preset) if cfg.preset is not None else \
         from_checkpoint(init_config_folder(cfg.init))
-    return mcfg.replace(max_seq_len=max(cfg.seq + 1, mcfg.max_seq_len))  # seq + 1 tokens go in
+    # a batch row holds seq + 1 tokens: the last one is only a label, but the model sees it
+    return mcfg.replace(max_seq_len=max(cfg.seq + 1, mcfg.max_seq_len))
 
 
 def build_model(cfg: TrainConfig, info: DistInfo, *, overwritten: bool = False,
