@@ -30,7 +30,7 @@ def _bare_ckpt(folder):
     ("missing", "no such file or folder"),
     ("bad ptq recipe", "mxfp9"),
     ("no weights", "transformers cannot load this checkpoint"),
-    ("ptq of no weights", "missing field"),
+    ("ptq of no weights", r"no model\.safetensors\.index\.json, model\.safetensors"),
     ("limit", "--limit must be a positive count"),
     ("missing data file", r"task broken: data file .*gone\.jsonl does not exist"),
 ])

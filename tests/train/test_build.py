@@ -10,9 +10,10 @@ import torch
 from conftest import TINY
 
 from workbench.model import MoEForCausalLM, tiny
+from workbench.model.pretrained import materialize
 from workbench.train import distributed
 from workbench.train.args import config_from_args
-from workbench.train.build import build, materialize_
+from workbench.train.build import build
 
 
 def _no_draw(self, seed=0):
@@ -52,7 +53,7 @@ def test_fresh_build_still_draws_the_seeded_init(tmp_path):
 def test_materialize_matches_the_constructor(tied):
     mcfg = dataclasses.replace(tiny(), tie_embeddings=tied)
     ref = MoEForCausalLM(mcfg, seed=1)
-    model = materialize_(MoEForCausalLM(mcfg, seed=9, device="meta"), torch.device("cpu"))
+    model = materialize(MoEForCausalLM(mcfg, seed=9, device="meta"), torch.device("cpu"))
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     model.load_state_dict(ref.state_dict(), strict=True)
     ids = torch.randint(0, mcfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))

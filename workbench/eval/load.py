@@ -29,19 +29,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from workbench.arch import ModelConfigError, from_checkpoint
+from workbench.arch import ModelConfigError
 from workbench.checkpoint import CheckpointError
 from workbench.checkpoint.dcp_metadata import SafeFileSystemReader
 from workbench.eval.errors import EvalError
 from workbench.eval.refs import ModelRef
-from workbench.model import MoEForCausalLM
+from workbench.model import StateDictError, from_pretrained
 from workbench.qat import prepare
-from workbench.train.build import QAT_SCOPE, build_model, materialize_, prepare_qat
+from workbench.train.build import QAT_SCOPE, build_model, prepare_qat
 from workbench.train.checkpointing import Found, verify
 from workbench.train.config import TrainConfig
 from workbench.train.datasets import DATA_JSON
 from workbench.train.distributed import DistInfo
-from workbench.train.init import InitError, load_init
 from workbench.train.tokenizer import TokenizerError, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -104,18 +103,12 @@ def transformers_model(path: Path, device: torch.device, dtype: torch.dtype) -> 
 
 
 def workbench_model(path: Path, device: torch.device) -> nn.Module:
-    """The workbench's model of a BF16 or packed checkpoint folder (fp32 masters on `device`),
-    filled through the trainer's --init reader (packed experts decoded to BF16 on the way)."""
+    """The workbench's model of a BF16 or packed checkpoint folder (fp32 masters on `device`):
+    `workbench.model.from_pretrained`, packed experts decoded exactly on the way."""
     try:
-        mcfg = from_checkpoint(path)
-    except ModelConfigError as e:
-        raise EvalError(str(e)) from None
-    model = materialize_(MoEForCausalLM(mcfg, device="meta", dtype=torch.float32), device)
-    try:
-        load_init(path, model, _single(device))
-    except (InitError, CheckpointError) as e:
+        return from_pretrained(path, device=device)
+    except (ModelConfigError, CheckpointError, StateDictError, ValueError) as e:
         raise EvalError(f"{path}: {e}") from None
-    return model
 
 
 def _single(device: torch.device) -> DistInfo:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from workbench.model import ModelConfigError, MoEForCausalLM, from_checkpoint, preset
+from workbench.model.pretrained import materialize
 from workbench.qat import QATState, prepare
 from workbench.train.act_ckpt import apply_activation_checkpointing
 from workbench.train.config import TrainConfig
@@ -81,20 +82,10 @@ def build_model(cfg: TrainConfig, info: DistInfo, *, overwritten: bool = False,
                               dtype=torch.float32)
         if before_alloc is not None:
             before_alloc(meta)
-        model = materialize_(meta, info.device)
+        model = materialize(meta, info.device)
     if layout is not None and layout.dp > 1:
         # The aux loss of the global batch, as at EP1 (MoEForCausalLM.balance_group).
         model.balance_group = info.group
-    return model
-
-
-def materialize_(model: nn.Module, device: torch.device) -> nn.Module:
-    """Allocate a meta-built MoEForCausalLM on `device`, parameters uninitialised: what its
-    constructor does after its own to_empty, minus the seeded draw."""
-    model.to_empty(device=device)
-    if model.config.tie_embeddings:  # to_empty allocates the two names separately
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb.reset_inv_freq()  # a non-persistent buffer: no loader restores it
     return model
 
 
