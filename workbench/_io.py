@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import IO, Any
 
 __all__ = ["atomic_open", "atomic_write_bytes", "atomic_write_json", "atomic_write_text",
-           "fsync_path", "new_file_mode"]
+           "fsync_path", "new_file_mode", "publish"]
 
 
 def fsync_path(path: str | Path) -> None:
@@ -115,3 +115,16 @@ def atomic_write_json(path: str | Path, obj: Any, *, indent: int | None = 1,
     temporary file is opened, so an object that does not serialise leaves no trace at all."""
     text = json.dumps(obj, indent=indent, sort_keys=sort_keys, default=default) + "\n"
     return atomic_write_text(path, text)
+
+
+def publish(tmp: str | Path, path: str | Path) -> Path:
+    """Steps 2-4 of the recipe for a file built elsewhere (appended to over several sessions, as a
+    resumable download is): fsync ``tmp``, rename it over ``path`` (the same folder) and fsync
+    the folder."""
+    tmp, path = Path(tmp), Path(path)
+    if tmp.parent != path.parent:
+        raise ValueError(f"publish renames within one folder: {tmp} -> {path}")
+    fsync_path(tmp)
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+    return path
