@@ -33,7 +33,7 @@ from workbench.track.compare import (
     load_runs,
     runs_table,
 )
-from workbench.track.evals import EvalFileError, GroupEval, group_eval, read_eval
+from workbench.track.evals import EvalFileError, GroupEval, group_eval, read_eval, wide_table
 from workbench.track.experts import expert_error_summary, final_expert_errors
 from workbench.track.metrics import BadMetricsFile, MetricsLineSkipped, as_metrics, read_metrics
 from workbench.track.offline import OfflineRun, find_runs, merge_segments, read_run
@@ -94,4 +94,5 @@ __all__ = [
     "read_metrics",
     "read_run",
     "runs_table",
+    "wide_table",
 ]
