@@ -10,6 +10,9 @@
    exports (QAT vs the BF16 baseline, expert by expert) and ``05_expert_telemetry`` on the
    per-expert statistics the QAT run recorded while it trained (error, load and code churn per
    expert and step).
+4. evaluates the demo's BF16 model, its MXFP4 post-training quantization and the QAT run on the
+   two local tasks that ship with the workbench (the README's "Evaluate" table): the command
+   ``workbench eval`` runs, results in ``--out``/eval.
 Executed notebooks and figures land under ``--out``; the paths are printed at the end.
 """
 
@@ -44,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=24, help="QAT steps of the demo checkpoint")
     ap.add_argument("--launch-steps", type=int, default=30, help="steps of the 02 notebook's runs")
     ap.add_argument("--skip-launch", action="store_true", help="only the inspection notebook")
+    ap.add_argument("--skip-eval", action="store_true", help="no task evaluation at the end")
     args = ap.parse_args(argv)
     os.chdir(ROOT)
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
@@ -70,6 +74,16 @@ def main(argv: list[str] | None = None) -> int:
                                                            "out_dir": str(out / "compare")}))
         # what the QAT run recorded per expert while it trained (the bf16 baseline records none)
         done.append(run_notebook("05_expert_telemetry.ipynb", out, {"group_dir": str(runs)}))
+    if not args.skip_eval:
+        from workbench.eval.cli import main as eval_main
+
+        # the BF16 model, its PTQ with the run's recipe and the QAT run, on the shipped tasks
+        print("evaluating the demo's BF16 model, its MXFP4 PTQ and the QAT run ...", flush=True)
+        rc = eval_main([str(demo.init), f"ptq:mxfp4@{demo.init}", str(demo.run), "--tasks",
+                        "wb_code_choice,wb_code_complete", "--out", str(out / "eval"),
+                        "--no-record"])
+        if rc:
+            return rc
     figs = sorted((out / "inspect").glob("*.png"))
     print("\nexecuted notebooks (open them in JupyterLab):")
     for p in done:

@@ -1,4 +1,4 @@
-# Sourced by the one-command GPU jobs (qat_trainer.sh, analysis_speed.sh), after `set -uo pipefail`: the
+# Sourced by the one-command GPU jobs (qat_trainer.sh, analysis_speed.sh, families.sh, step_speed.sh), after `set -uo pipefail`: the
 # output folder ($OUT, which the device tool provides), the repository as the working folder and
 # on PYTHONPATH (nothing installed on the device image), and `stamp`, a line per stage with the
 # seconds since the job began. The caller sets JOB_NAME.
