@@ -20,7 +20,13 @@ import threading
 from pathlib import Path
 from typing import NoReturn
 
-from workbench._io import NoSpaceError, atomic_write_json, atomic_write_text
+from workbench._io import (
+    NoSpaceError,
+    atomic_write_json,
+    atomic_write_text,
+    is_no_space,
+    no_space,
+)
 from workbench.arch import ModelConfigError
 from workbench.checkpoint import CheckpointError as ReaderError
 from workbench.recipe import RecipeError
@@ -179,13 +185,19 @@ def run(cfg: TrainConfig) -> dict:
             if logger is not None:
                 logger.finish()
         return result
-    except Exception as e:
-        if not (isinstance(e, USER_ERRORS) or is_collective_failure(e)):
+    except BaseException as e:
+        failed = True  # the other ranks may never reach teardown's barrier
+        shown = e
+        if isinstance(e, OSError) and not isinstance(e, NoSpaceError) and is_no_space(e):
+            # a full disk under a writer that does not name its file: the run folder's device
+            shown = no_space(e, e.filename or cfg.out)
+            if hasattr(e, "reporter"):
+                shown.reporter = e.reporter
+        elif not (isinstance(e, USER_ERRORS) or is_collective_failure(e)):
             raise
-        failed = True
         # Before the group goes: the ranks elect the one that prints (or name a silent rank).
-        line = failure_line(info, e, timeout_min=cfg.dist_timeout)
-        e.report_line = _message(e) if line == " ".join(str(e).split()) else line
+        line = failure_line(info, shown, timeout_min=cfg.dist_timeout)
+        e.report_line = _message(shown) if line == " ".join(str(shown).split()) else line
         raise
     finally:
         if opened is not None:

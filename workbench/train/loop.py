@@ -82,17 +82,19 @@ class NonFiniteStep(RuntimeError):
 
 
 class _Deferred:
-    """The first failure of a write only this rank makes (rank 0's metrics line), kept until the
-    next step boundary shares it with every rank."""
+    """The first failure of a write only this rank makes into `path` (rank 0's metrics line),
+    kept until the next step boundary shares it with every rank."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: Path) -> None:
+        self.path = path
         self.error: OSError | None = None
 
     def run(self, fn: Callable[..., Any], *args: Any) -> None:
         if self.error is not None:
             return
         try:
-            fn(*args)
+            with writing(self.path):
+                fn(*args)
         except OSError as e:
             self.error = e
 
@@ -360,7 +362,7 @@ def _train(cfg: TrainConfig, info: DistInfo, *, logger, on_step, return_model):
     stats = None
     if cfg.stats_every:
         stats = ExpertStatsRecorder(model, info, out, resume_step=start if found else None)
-    deferred = _Deferred()  # rank 0's metrics writes: their failure stops every rank
+    deferred = _Deferred(out / METRICS_FILE)  # rank 0's writes: a failure stops all
     writer = None
     if info.is_main:
         with writing(out / METRICS_FILE):
