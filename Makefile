@@ -5,7 +5,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-EXTRAS := dev,analysis,notebooks,track,launch,gpu
+EXTRAS := dev,analysis,notebooks,track,launch,gpu,eval
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 

@@ -3,14 +3,15 @@ jobs/bench_analysis.py (its checkpoints, built by its own ``build``), in one pro
 call timed and split into stages, against the plain sequential read of the same files and the
 time that 0.5x of that read (issue #20's goal) leaves per element.
 
-Per cell: call 1 (``path="auto"``, warms the process: imports, any compile), then call 2 with
+Per cell: call 1 (``path="auto"``, warms the session: imports, any compile), then call 2 with
 the stage timers on, each call from a cold page cache (the checkpoints closed in between: their
-mapped pages survive eviction), as the benchmark does. ``path`` is what "auto" chose
-(``paths.choose_path``, wrapped to record it); unless ``--no-fused``, cells that "auto" ran
-batched get a second row, ``fused (asked)``: the same job with ``path="fused"`` (a call that
-compiles, then the timed one): what the compiled passes reach once compiled, as "auto" now runs
-them in a process that has compiled the job's graphs. ``read s`` is the median of three cold
-plain reads (a single one varied 2x on the 2-core host).
+mapped pages survive eviction), as the benchmark does. All calls share one ``analysis.Session``,
+as a notebook's would. ``path`` is what "auto" chose (the plan the tables come back with);
+unless ``--no-fused``, cells that "auto" ran batched get a second row, ``fused (asked)``: the
+same job with ``path="fused"`` (a call that compiles, then the timed one): what the compiled
+passes reach once compiled, as "auto" runs them in a session that has compiled the job's
+graphs. ``read s`` is the median of three cold plain reads (a single one varied 2x on the
+2-core host).
 
 How stages are attributed. Explicit timers (``time.perf_counter``) wrap functions at the seams
 between stages, as module attributes looked up at call time; nothing inside a compiled graph is
@@ -18,16 +19,18 @@ wrapped (a timer there would break the graph), only the Python that calls graphs
 exclusive: time inside a nested timed call goes to the inner stage only. Times are summed over
 the threads that ran them, so ``read`` (on the reader pool, overlapping the main thread's
 compute) can add with the rest to more than the wall time; every other stage runs on the main
-thread (``fast.pipeline`` computes there), and ``waited`` + the main-thread stages + ``rest`` is
-the wall time of call 2.
-- ``read``: ``fast.load_stack``: the stored grid's (or the BF16 weights') bytes read from the
-  safetensors mmap (the page faults land here), stacked and staged; reader threads.
+thread (``fast`` computes the stacks ``stream_stacks`` yields there), and ``waited`` + the
+main-thread stages + ``rest`` is the wall time of call 2. The timers are installed for the run
+and removed after it.
+- ``read``: ``checkpoint.stacks.load_stack`` (and the window reader's span and side reads, as
+  ``checkpoint.stream`` calls them): the stored grid's (or the BF16 weights') bytes read from
+  the safetensors mmap (the page faults land here), stacked and staged; reader threads.
 - ``decode``: ``batched.decode_stack`` as ``fast`` calls it: a stored grid decoded to BF16
   eagerly (the batched path; also the BF16 weights batched recipes start from).
-- ``graph``: the calls of compiled graphs (``compiled._run``, ``fused._run``,
-  ``fused.run_graph``): Inductor's C++ for the closed forms or the traced codecs.
-- ``pack``: ``fused.pack_blocks``: the closed forms' copy of each stack's codes and scale bytes
-  into whole chunks of blocks (one pass over the stored bytes, outside the graph).
+- ``graph``: the calls of compiled graphs (``Session.run``): Inductor's C++ for the closed
+  forms or the traced codecs.
+- ``pack``: ``fused_common.pack_blocks``: the closed forms' copy of each stack's codes and
+  scale bytes into whole chunks of blocks (one pass over the stored bytes, outside the graph).
 - ``outside``: the rest of the per-block and per-expert work around the graphs in their
   drivers: ``fused.stored_vs_recipe`` (per-weight scale tables, the NVFP4 amax pass's
   bookkeeping, assembling rows), ``fused.grid_reason`` (scale-range checks over each grid),
@@ -37,12 +40,12 @@ the wall time of call 2.
   ``dequantize`` of its result, as ``fast`` calls them.
 - ``metrics``: eager sums, maxima and counts: ``batched.stack_metrics``, ``stack_mismatch``.
 - ``hist``: scale-exponent histograms: ``batched.stack_histograms``, ``FusedResult.histogram``.
-- ``waited``: the main thread blocked on the next stack's load (the pipeline's wall time less
-  its compute steps).
+- ``waited``: the main thread inside ``stream_stacks``, for the next stack: blocked on its load
+  (and, under the window reader, cutting it out of its span).
 - ``rest``: call 2's wall time less all main-thread stages and ``waited``: opening the
-  checkpoint, records, the path choice, rows and the pandas tables.
-ns/el is a stage's seconds over the cell's elements (as ``choose_path`` counts them: weight
-elements times recipes). ``budget`` is the wall ns per element that 0.5x of the measured read
+  checkpoint, records, the plan, rows and the pandas tables.
+ns/el is a stage's seconds over the cell's elements (as the plan counts them, ``plan.elements``:
+weight elements times recipes). ``budget`` is the wall ns per element that 0.5x of the measured read
 leaves (2 x read s / elements); on 2 cores that is twice as many CPU-ns.
 
     python jobs/analysis_profile_cpu.py --experts 32 --size-gb 0.2 --ref-gb 0.3   # a few minutes
@@ -111,11 +114,17 @@ class Stages:
         return timed
 
 
-def instrument(stages: Stages) -> None:
-    """Install the timers (for the whole process; they time only while ``stages.on``)."""
-    from workbench.analysis import batched, compiled, fast, fused
+def instrument(stages: Stages):
+    """Install the timers (for the whole process; they time only while ``stages.on``); returns
+    the function that removes them."""
+    from workbench.analysis import batched, compiled, fast, fused, fused_fp8, fused_nvfp4
+    from workbench.analysis.session import Session
+    from workbench.checkpoint import stream
+
+    undo = []
 
     def patch(obj, name, stage):
+        undo.append((obj, name, getattr(obj, name)))
         setattr(obj, name, stages.wrap(stage, getattr(obj, name)))
 
     # fast's own view of batched and dequantize: compiled.py's graphs call batched too, and a
@@ -125,32 +134,46 @@ def instrument(stages: Stages) -> None:
                         ("stack_metrics", "metrics"), ("stack_mismatch", "metrics"),
                         ("stack_histograms", "hist")):
         patch(view, name, stage)
+    undo.append((fast, "batched", batched))
     fast.batched = view
     patch(fast, "dequantize", "requant")
-    patch(fast, "load_stack", "read")
-    for mod, name in ((compiled, "_run"), (fused, "_run"), (fused, "run_graph")):
-        patch(mod, name, "graph")
-    patch(fused, "pack_blocks", "pack")
+    for name in ("load_stack", "load_window", "side_stacks"):
+        patch(stream, name, "read")
+    patch(Session, "run", "graph")
+    for mod in (fused, fused_fp8, fused_nvfp4):
+        patch(mod, "pack_blocks", "pack")
     for mod, name in ((fused, "stored_vs_recipe"), (fused, "grid_reason"),
                       (compiled, "recipe_rows"), (compiled, "reference_rows"),
                       (compiled, "finite_reason")):
         patch(mod, name, "outside")
     patch(fused.FusedResult, "histogram", "hist")
 
-    pipeline = fast.pipeline
+    real_stream = fast.stream_stacks
 
-    def timed_pipeline(batches, load, compute, **kw):
-        def timed_compute(b, loaded):
-            t = time.perf_counter()
-            out = list(compute(b, loaded))
-            stages.acc["_compute"] += time.perf_counter() - t
-            return out
+    def timed_stream(*a, **k):
+        it = real_stream(*a, **k)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    got = next(it)
+                finally:
+                    if stages.on:
+                        stages.acc["waited"] += time.perf_counter() - t0
+                yield got
+        except StopIteration:
+            return
+        finally:
+            it.close()
 
-        t0 = time.perf_counter()
-        yield from pipeline(batches, load, timed_compute, **kw)
-        stages.acc["_pipeline"] += time.perf_counter() - t0
+    undo.append((fast, "stream_stacks", real_stream))
+    fast.stream_stacks = timed_stream
 
-    fast.pipeline = timed_pipeline
+    def remove():
+        for obj, name, value in reversed(undo):
+            setattr(obj, name, value)
+
+    return remove
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,21 +196,29 @@ def main(argv: list[str] | None = None) -> int:
 
     ba = _load("bench_analysis", HERE / "bench_analysis.py")
     bc = ba._bench_checkpoint()
-    from workbench.analysis import tables
-
     shape = ba.Shape(512, 256, args.experts, 0.25) if args.small_shape else \
         ba.Shape(experts=args.experts)
     stages = Stages()
-    instrument(stages)
-    chosen: list = []
-    choose = tables.choose_path
+    remove = instrument(stages)
+    try:
+        rows, load0 = _profile(args, ba, bc, stages, shape)
+    finally:
+        remove()
+    text = table(rows, load0, shape, argv if argv is not None else sys.argv[1:])
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "analysis_profile_cpu.md").write_text(text + "\n")
+        # the rows unrounded (the table prints two decimals), for comparing runs and for tests
+        (args.out / "analysis_profile_cpu.json").write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
 
-    def recording_choose(path, device, elements, question, job=None):
-        c = choose(path, device, elements, question, job)
-        chosen.append((c, elements))
-        return c
 
-    tables.choose_path = recording_choose
+def _profile(args, ba, bc, stages: Stages, shape) -> tuple[list[dict], tuple]:
+    """Every cell's rows (see the module docstring), and the load average before."""
+    from workbench.analysis import Session
+
+    session = Session()
     load0 = os.getloadavg()
     rows = []
     for fmt in args.formats.split(","):
@@ -207,42 +238,30 @@ def main(argv: list[str] | None = None) -> int:
             read_s = sorted(reads)[1]
 
             cell = SimpleNamespace(q=q, fmt=fmt, ck=ck_path, ref=ref_path, files=files)
-            _call_once(ba, bc, stages, cell, "auto", False)
-            chosen.clear()
-            secs = _call_once(ba, bc, stages, cell, "auto", True)
-            choice, elements = chosen[-1]
-            rows.append(_row(cell, elements, read_s, secs, choice.path, choice.reason,
+            _call_once(ba, bc, stages, cell, "auto", False, session)
+            secs, plan = _call_once(ba, bc, stages, cell, "auto", True, session)
+            rows.append(_row(cell, plan.elements, read_s, secs, plan.path, plan.why,
                              dict(stages.acc)))
-            if choice.path != "fused" and not args.no_fused:  # what the compiled passes reach
-                _call_once(ba, bc, stages, cell, "fused", False)  # compiles
-                chosen.clear()
-                secs = _call_once(ba, bc, stages, cell, "fused", True)
-                rows.append(_row(cell, elements, read_s, secs, "fused (asked)",
-                                 chosen[-1][0].reason, dict(stages.acc)))
-    text = table(rows, load0, shape, argv if argv is not None else sys.argv[1:])
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "analysis_profile_cpu.md").write_text(text + "\n")
-        # the rows unrounded (the table prints two decimals), for comparing runs and for tests
-        (args.out / "analysis_profile_cpu.json").write_text(json.dumps(rows, indent=1) + "\n")
-    return 0
+            if plan.path != "fused" and not args.no_fused:  # what the compiled passes reach
+                _call_once(ba, bc, stages, cell, "fused", False, session)  # compiles
+                secs, fused = _call_once(ba, bc, stages, cell, "fused", True, session)
+                rows.append(_row(cell, plan.elements, read_s, secs, "fused (asked)", fused.why,
+                                 dict(stages.acc)))
+    return rows, load0
 
 
 def _row(cell, elements: int, read_s: float, secs: float, path: str, why: str, acc: dict):
-    waited = acc.get("_pipeline", 0.0) - acc.get("_compute", 0.0)
-    split = {s: acc.get(s, 0.0) for s in STAGES[:-2]}
-    split["waited"] = waited
-    split["rest"] = secs - waited - sum(split[s] for s in MAIN)
+    split = {s: acc.get(s, 0.0) for s in STAGES[:-1]}
+    split["rest"] = secs - split["waited"] - sum(split[s] for s in MAIN)
     print(f"{cell.q} {cell.fmt}: {secs:.2f} s ({read_s / secs:.2f}x of a {read_s:.2f} s read), "
           f"{path}, " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()), flush=True)
     return {"q": cell.q, "fmt": cell.fmt, "elements": elements, "read_s": read_s, "secs": secs,
             "path": path, "why": why, "split": split}
 
 
-def _call_once(ba, bc, stages: Stages, cell, path: str, timed: bool) -> float:
-    """One table call of ``cell`` (question, format, checkpoints) from a cold page cache; its
-    wall seconds (the checkpoints opened inside)."""
+def _call_once(ba, bc, stages: Stages, cell, path: str, timed: bool, session):
+    """One table call of ``cell`` (question, format, checkpoints) from a cold page cache in
+    ``session``: (its wall seconds, the checkpoints opened inside; the plan it ran)."""
     from workbench.checkpoint import open_checkpoint
 
     bc.evict(cell.files)
@@ -251,7 +270,7 @@ def _call_once(ba, bc, stages: Stages, cell, path: str, timed: bool) -> float:
     t0 = time.perf_counter()
     ck = open_checkpoint(cell.ck)
     ref = open_checkpoint(cell.ref) if cell.ref else None
-    ba._call(cell.q, ck, ref, cell.fmt, path, "cpu")
+    t = ba._call(cell.q, ck, ref, cell.fmt, path, "cpu", session=session)
     secs = time.perf_counter() - t0
     stages.on = False
     for c in (ck, ref):  # mapped pages would survive the next eviction
@@ -259,7 +278,7 @@ def _call_once(ba, bc, stages: Stages, cell, path: str, timed: bool) -> float:
             c.index.close()
     del ck, ref
     gc.collect()
-    return secs
+    return secs, t.plan
 
 
 def table(rows: list[dict], load0, shape, argv) -> str:

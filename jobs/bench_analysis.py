@@ -16,8 +16,11 @@ page cache (pages evicted):
 - with ``--reference``, the reference path once, and the fast table compared with it (counts and
   histograms equal? largest relative difference of the float-sum metrics);
 - with ``--readers preadv,window`` (or any of safetensors, preadv, window), each question's
-  default path once per stack reader (``WORKBENCH_ANALYSIS_READER``, set in each fresh process),
-  so the old reader is the new one's baseline in the same run, and the tables are compared.
+  default path once per stack reader (the plan's ``reader``, in a fresh process each), so the
+  old reader is the new one's baseline in the same run, and the tables are compared.
+
+Each fresh process holds one ``analysis.Session`` for its calls, as a notebook does: the second
+call finds the graphs the first compiled.
 
 Throughput is GB/s of the files the question reads; ``vs read`` is the read time over the pass
 time; memory is peak anonymous RSS growth during the pass (and peak CUDA memory), also as a
@@ -277,31 +280,31 @@ class PeakAnon:
         self.peak = max(self.peak, self._read())
 
 
-def _call(question: str, ck, ref, fmt: str, path: str, device: str | None):
+def _call(question: str, ck, ref, fmt: str, path: str, device: str | None,
+          reader: str | None = None, session=None):
+    """One table call: the plan of ``path`` (and ``reader``, default "auto") built as the table
+    function builds it, then run with the caller's ``session``."""
     from workbench import analysis
 
-    kw = {"progress": False, "path": path, "device": device}
-    if question == "stored_vs_recipes":
-        return analysis.stored_vs_recipes(ck, RECIPES[fmt], **kw)
-    if question == "candidate_errors":
-        return analysis.candidate_errors(ck, RECIPES[fmt], **kw)
-    return analysis.reference_errors(ck, ref, kinds=("routed",), **kw)
+    other = ref if question == "reference_errors" else RECIPES[fmt]
+    kinds = {"kinds": ("routed",)} if question == "reference_errors" else {}
+    plan = analysis.plan(question, ck, other, path=path, device=device, reader=reader or "auto",
+                         session=session, **kinds)
+    return getattr(analysis, question)(ck, other, plan=plan, session=session, progress=False,
+                                       **kinds)
 
 
 def _child(conn, question: str, fmt: str, ck_path: str, ref_path: str | None, path: str,
            calls: int, device: str | None, reader: str | None = None) -> None:
-    """``calls`` calls of one question in this fresh process, each with a cold page cache."""
+    """``calls`` calls of one question in this fresh process, each with a cold page cache, all
+    in one analysis session."""
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
-    if reader:  # before workbench is imported: fast.py reads it once
-        os.environ["WORKBENCH_ANALYSIS_READER"] = reader
     import logging
 
-    from workbench.analysis import fast as fast_mod
+    from workbench.analysis import Session
     from workbench.checkpoint import open_checkpoint
 
-    if reader and fast_mod.READER != reader:
-        raise RuntimeError(f"reader {reader!r} asked for, {fast_mod.READER!r} in use")
-
+    session = Session()
     logging.basicConfig(level=logging.INFO, format="  [%(name)s] %(message)s")
     bc = _bench_checkpoint()
     files = shard_files(Path(ck_path), *([Path(ref_path)] if ref_path else []))
@@ -324,7 +327,7 @@ def _child(conn, question: str, fmt: str, ck_path: str, ref_path: str | None, pa
             t0, c0 = time.perf_counter(), time.process_time()
             ck = open_checkpoint(ck_path)
             ref = open_checkpoint(ref_path) if ref_path else None
-            t = _call(question, ck, ref, fmt, path, device)
+            t = _call(question, ck, ref, fmt, path, device, reader, session)
             if cuda:
                 torch.cuda.synchronize()
             secs, cpu = time.perf_counter() - t0, time.process_time() - c0

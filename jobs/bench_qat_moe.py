@@ -2,6 +2,8 @@
 
     python jobs/bench_qat_moe.py                 # CPU-sized shapes
     python jobs/bench_qat_moe.py --k3            # K3-like: 8 experts, hidden 3584, FFN 3072, 4096 tok/expert
+    python jobs/bench_qat_moe.py --preset gpt_oss_20b_like   # a family's expert layer: its shape,
+                                                 # activation and biases, 4096 tok/expert
 
 Prints a table: recipe, median ms per step, ratio to BF16, and (on GPU) TFLOP/s.
 Each timed step is what a training step does to the layer: an in-place update of every weight
@@ -35,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from workbench.model.experts import GroupedExperts
+from workbench.arch import preset
+from workbench.model.experts import GroupedExperts, activation
 from workbench.qat import QATState, prepare
 
 
@@ -46,6 +49,9 @@ def main(argv=None) -> None:
     ap.add_argument("--ffn", type=int, default=256)
     ap.add_argument("--tokens-per-expert", type=int, default=128)
     ap.add_argument("--k3", action="store_true", help="hidden 3584, FFN 3072, 4096 tokens/expert")
+    ap.add_argument("--preset", help="a model preset (workbench.arch.PRESETS, e.g. gpt_oss_20b_"
+                    "like, deepseek_v3_like): its hidden, expert FFN, expert activation and "
+                    "biases, 4096 tokens/expert (--experts stays the layer's expert count)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--chain", type=int, default=1,
                     help="steps per timed sample, back to back with one sync at the end (1: a host "
@@ -76,6 +82,11 @@ def main(argv=None) -> None:
                  "optimizer step would reuse one weight version")
     if args.k3:
         args.hidden, args.ffn, args.tokens_per_expert = 3584, 3072, 4096
+    expert_kw = {}
+    if args.preset:
+        mcfg = preset(args.preset)
+        args.hidden, args.ffn, args.tokens_per_expert = mcfg.hidden_size, mcfg.expert_ffn, 4096
+        expert_kw = {"bias": mcfg.experts.bias, "act": activation(mcfg.experts)}
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     E, D, F, n = args.experts, args.hidden, args.ffn, args.tokens_per_expert
@@ -87,7 +98,9 @@ def main(argv=None) -> None:
     torch_ver = torch.__version__
     print(f"device={torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'} torch={torch_ver} "
           f"E={E} D={D} F={F} tokens/expert={n} chain={args.chain} (steps per timed sample) "
-          f"masters={args.masters}")
+          f"masters={args.masters}"
+          + (f" preset={args.preset} act={expert_kw['act']!r} bias={expert_kw['bias']}"
+             if args.preset else ""))
     wdtype = torch.float32 if args.masters == "fp32" else torch.bfloat16
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev == "cuda" and
                               args.masters == "fp32")
@@ -96,7 +109,7 @@ def main(argv=None) -> None:
     for recipe in args.recipes.split(","):
         torch.manual_seed(0)
         m = torch.nn.Module()
-        m.experts = GroupedExperts(E, D, F, device=dev, dtype=wdtype)
+        m.experts = GroupedExperts(E, D, F, device=dev, dtype=wdtype, **expert_kw)
         for p in m.parameters():
             torch.nn.init.normal_(p, std=0.02)
         state = QATState() if recipe != "bf16" else None

@@ -1,7 +1,8 @@
 """Parse every module under workbench/ with ast and report project-internal imports.
 
 Run as a script to print the package-level import graph, the imports that
-sit inside function bodies, and the cycles between packages:
+sit inside function bodies, the cycles between packages and the cycles between the modules of
+one package:
 
     .venv/bin/python tests/import_graph.py
 """
@@ -24,6 +25,7 @@ class Edge:
     lineno: int
     in_function: bool
     guarded: bool  # inside try/except ImportError
+    names: tuple[str, ...] = ()  # what ``from dst import ...`` takes (a name may be a submodule)
 
     @property
     def src_pkg(self) -> str:
@@ -92,7 +94,8 @@ def edges_of(path: Path) -> list[Edge]:
                     for a in child.names:
                         out.append(Edge(module, f"workbench.{a.name}", child.lineno, in_fn, guarded))
                 else:
-                    out.append(Edge(module, target, child.lineno, in_fn, guarded))
+                    out.append(Edge(module, target, child.lineno, in_fn, guarded,
+                                    tuple(a.name for a in child.names)))
         fn = in_fn or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
         if isinstance(child, ast.Try) and _guarded(child):
             for b in child.body:
@@ -123,8 +126,33 @@ def package_graph(edges: list[Edge]) -> dict[str, set[str]]:
     return g
 
 
+def is_module(name: str) -> bool:
+    """Whether dotted ``name`` is a module or package of the project (a file under ROOT)."""
+    base = ROOT.joinpath(*name.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def module_graph(edges: list[Edge]) -> dict[str, set[str]]:
+    """Module -> the modules of its own package it imports while it is being imported (imports at
+    module level, guarded or not; imports inside functions run later). ``from pkg import name``
+    needs the module ``pkg.name`` when there is one, else ``pkg`` itself (its ``__init__``); a
+    submodule's implicit import of its parent package is no edge: Python finds the parent in
+    ``sys.modules`` half-initialised and carries on, so only named imports can deadlock."""
+    g: dict[str, set[str]] = {}
+    for e in edges:
+        if e.in_function or e.src_pkg != e.dst_pkg:
+            continue
+        targets = [f"{e.dst_module}.{n}" for n in e.names if is_module(f"{e.dst_module}.{n}")]
+        if len(targets) < len(e.names) or not e.names:  # a name defined in dst itself
+            targets.append(e.dst_module)
+        for t in targets:
+            if t != e.src_module:
+                g.setdefault(e.src_module, set()).add(t)
+    return g
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one package (Tarjan)."""
+    """Strongly connected components with more than one node (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -183,6 +211,11 @@ def report(edges: list[Edge]) -> str:
     cyc = cycles(package_graph(edges))
     lines.append(f"package cycles: {len(cyc)}")
     for c in cyc:
+        lines.append("  " + " <-> ".join(c))
+    lines.append("")
+    mcyc = cycles(module_graph(edges))
+    lines.append(f"module cycles inside a package (module-level imports): {len(mcyc)}")
+    for c in mcyc:
         lines.append("  " + " <-> ".join(c))
     lines.append("")
     lines.append("imports inside functions:")

@@ -162,3 +162,23 @@ def test_new_files_get_the_umask_mode_and_rewrites_keep_theirs(tmp_path):
     kept.chmod(0o604)
     atomic_write_text(kept, "new")
     assert stat.S_IMODE(kept.stat().st_mode) == 0o604 and kept.read_text() == "new"
+
+
+def test_publish_fsyncs_then_renames_within_the_folder(tmp_path, monkeypatch):
+    """A file built by appends (a resumable download) becomes visible the way atomic_open's
+    temporary does: data durable before the name points at it, the rename durable after."""
+    part = tmp_path / "w.bin.incomplete"
+    part.write_bytes(b"abc")
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(_io.os, "fsync", lambda fd: (events.append(
+        "fsync-dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync-file"), real_fsync(fd)))
+    monkeypatch.setattr(_io.os, "replace", lambda a, b: (events.append("replace"),
+                                                          real_replace(a, b)))
+    assert _io.publish(part, tmp_path / "w.bin").read_bytes() == b"abc"
+    assert events == ["fsync-file", "replace", "fsync-dir"] and not part.exists()
+    (tmp_path / "sub").mkdir()
+    other = tmp_path / "sub" / "x"
+    other.write_bytes(b"")
+    with pytest.raises(ValueError, match="within one folder"):
+        _io.publish(other, tmp_path / "x")

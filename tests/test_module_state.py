@@ -12,7 +12,9 @@ constants. A finding is
   ``update``, ``pop``, ``add`` or a torch in-place ``*_`` method, also through a module alias or
   ``from ... import``);
 - ``memo``: a module-level function behind ``functools.cache`` / ``lru_cache`` (a process-wide
-  cache keyed on its arguments).
+  cache keyed on its arguments);
+- ``environ``: a module-level name bound to a read of the environment (``os.environ``,
+  ``os.getenv``): configuration taken at import, which no argument of a call shows.
 An UPPER_CASE table that nothing writes after import is a constant, not a finding. Each
 remaining finding needs an entry in ALLOWED saying why it cannot change a result; an entry that
 no longer matches a finding fails the test, so the list stays the list of what there is.
@@ -31,13 +33,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The packages the rule covers (the analysis package joins once its globals are gone).
+# The packages (and single modules) the rule covers.
 PACKAGES = [
     "workbench/qat",
     "workbench/model",
     "workbench/train",
     "workbench/kernels",
     "workbench/formats",
+    "workbench/analysis",
+    "workbench/checkpoint/stacks.py",  # the stack readers of the analysis
+    "workbench/checkpoint/windows.py",
+    "workbench/checkpoint/stream.py",
 ]
 
 LOG_ONCE = ("once-per-process log/warning de-duplication: decides what is logged, never a "
@@ -69,10 +75,17 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "memo of a seeded permutation: a pure function of (seed, split, epoch, count)"),
     ("memo", "workbench.train.data", "load_corpus"): (
         "memo of the packaged corpus, read only after its sha256 matched the manifest"),
+    ("memo", "workbench.analysis.fused", "block_tables"): (
+        "memo of a closed form's scale tables per (stored, recipe) profile, filled by the "
+        "reference's own scale functions: a pure function of constants"),
+    ("memo", "workbench.analysis.fused_fp8", "block_tables"): (
+        "memo of a closed form's scale tables per (format, stored, recipe) profile, filled by "
+        "the reference's own scale functions: a pure function of constants"),
 }
 
 _MUTABLE_CALLS = {"list", "dict", "set", "bytearray", "OrderedDict", "defaultdict", "deque",
-                  "Counter", "ChainMap", "WeakKeyDictionary", "WeakValueDictionary", "WeakSet"}
+                  "Counter", "ChainMap", "WeakKeyDictionary", "WeakValueDictionary", "WeakSet",
+                  "local", "ThreadPoolExecutor", "ProcessPoolExecutor"}
 _TENSOR_FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange",
                      "linspace", "logspace", "rand", "randn", "randint", "from_numpy", "array"}
 _MUTATORS = {"append", "extend", "insert", "pop", "popitem", "remove", "clear", "update",
@@ -84,7 +97,7 @@ _CONSTANT = re.compile(r"_*[A-Z][A-Z0-9_]*")
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # global | mutable | written | memo
+    kind: str  # global | mutable | written | memo | environ
     module: str
     name: str
     where: str  # file:line
@@ -112,6 +125,11 @@ def _is_mutable(value: ast.expr) -> bool:
                 return True
             return f.attr in _MUTABLE_CALLS
     return False
+
+
+def _reads_environ(value: ast.expr) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr in ("environ", "getenv")
+               and isinstance(n.value, ast.Name) and n.value.id == "os" for n in ast.walk(value))
 
 
 def _top_statements(body: list[ast.stmt]):
@@ -282,7 +300,8 @@ def findings(sources: dict[Path, str] | None = None, packages=PACKAGES) -> list[
     """Every finding in `packages` (or in `sources`: {path under ROOT: text}, for the tests of
     this checker)."""
     if sources is None:
-        paths = sorted(p for pkg in packages for p in (ROOT / pkg).rglob("*.py"))
+        paths = sorted(p for pkg in packages for p in ((ROOT / pkg).rglob("*.py")
+                                                       if (ROOT / pkg).is_dir() else [ROOT / pkg]))
         texts = {p: p.read_text() for p in paths}
     else:
         texts = sources
@@ -298,6 +317,10 @@ def findings(sources: dict[Path, str] | None = None, packages=PACKAGES) -> list[
         for n, line in m.containers.items():
             if not _CONSTANT.fullmatch(n):
                 out.append(Finding("mutable", m.name, n, f"{rel}:{line}"))
+        for s in _top_statements(m.tree.body):
+            for n, value, line in _bindings([s]):
+                if _reads_environ(value):
+                    out.append(Finding("environ", m.name, n, f"{rel}:{line}"))
         for s in _top_statements(m.tree.body):
             if isinstance(s, ast.ClassDef):
                 for n, value, line in _bindings(s.body):
@@ -329,7 +352,8 @@ def test_no_module_level_state_outside_the_allow_list():
 
 def test_every_allowed_entry_says_why():
     for key, why in ALLOWED.items():
-        assert key[0] in ("global", "mutable", "written", "memo") and len(why) > 20, key
+        assert key[0] in ("global", "mutable", "written", "memo", "environ") and \
+            len(why) > 20, key
 
 
 def test_the_rule_is_written_where_the_docs_say():
@@ -360,6 +384,9 @@ CASES = {
     "a local of the same name": ("_C = {}\ndef f():\n    _C = {}\n    _C[1] = 2\n    return _C\n",
                                  []),
     "parameter of the same name": ("_C = {}\ndef f(_C):\n    _C.update(a=1)\n", []),
+    "environment read at import": ("import os\nREADER = os.environ.get('X', 'auto')\n",
+                                   [("environ", "READER")]),
+    "thread-local": ("import threading\n_local = threading.local()\n", [("mutable", "_local")]),
 }
 
 

@@ -32,7 +32,7 @@ from typing import IO, Any
 
 __all__ = ["NoSpaceError", "atomic_open", "atomic_write_bytes", "atomic_write_json",
            "atomic_write_text", "device_of", "fsync_path", "is_no_space", "new_file_mode",
-           "no_space", "writing"]
+           "no_space", "publish", "writing"]
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -214,3 +214,16 @@ def atomic_write_json(path: str | Path, obj: Any, *, indent: int | None = 1,
     temporary file is opened, so an object that does not serialise leaves no trace at all."""
     text = json.dumps(obj, indent=indent, sort_keys=sort_keys, default=default) + "\n"
     return atomic_write_text(path, text)
+
+
+def publish(tmp: str | Path, path: str | Path) -> Path:
+    """Steps 2-4 of the recipe for a file built elsewhere (appended to over several sessions, as a
+    resumable download is): fsync ``tmp``, rename it over ``path`` (the same folder) and fsync
+    the folder."""
+    tmp, path = Path(tmp), Path(path)
+    if tmp.parent != path.parent:
+        raise ValueError(f"publish renames within one folder: {tmp} -> {path}")
+    fsync_path(tmp)
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+    return path

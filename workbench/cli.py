@@ -77,7 +77,7 @@ def _plan(args) -> int:
             model = str(src.path)
         cfg = model_config_of(model)
         if args.layers:
-            cfg = cfg.replace(num_layers=args.layers)
+            cfg = cfg.with_layers(args.layers)
         gpn = args.gpus_per_node or min(args.gpus, 8)
         if args.gpus % gpn:
             raise PlanError(f"--gpus {args.gpus} is not a multiple of --gpus-per-node {gpn}")
@@ -104,6 +104,12 @@ def _train(args) -> int:
     from workbench.train.cli import console
 
     console(args.argv, prog="workbench train")
+
+
+def _eval(args) -> int:
+    from workbench.eval.cli import main as eval_main  # lm-eval loads only for this subcommand
+
+    return eval_main(args.argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
                    choices=("off", "full", "selective"))
     p.set_defaults(func=_plan)
     add_compare(sub)
+    # Every word after "eval" (options too: no prefix char is "-") goes to workbench.eval.cli.
+    p = sub.add_parser("eval", add_help=False, prefix_chars="\0", help="downstream evaluation "
+                       "(lm-eval) of BF16, PTQ and QAT models side by side (workbench eval --help)")
+    p.add_argument("argv", nargs="*")
+    p.set_defaults(func=_eval)
     args = ap.parse_args(argv)
     from workbench.analysis.inspect import InspectArgError
     from workbench.checkpoint import CheckpointError

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from workbench._io import atomic_write_text
+
 KINDS = ("local", "hub", "url")
 # What a caller needs on local disk. "checkpoint": any of it may be read by range instead.
 NEEDS = ("checkpoint", "config", "tokenizer")
@@ -291,9 +293,7 @@ def remember_ref(repo_id: str, rev: str | None, commit: str) -> None:
     ref = hub_cache() / ("models--" + repo_id.replace("/", "--")) / "refs" / rev
     try:
         ref.parent.mkdir(parents=True, exist_ok=True)
-        tmp = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
-        tmp.write_text(commit)
-        os.replace(tmp, ref)
+        atomic_write_text(ref, commit)
     except OSError:
         pass  # a read-only cache: the next offline resolution names what is missing
 

@@ -34,6 +34,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -64,10 +65,10 @@ def main(argv=None) -> int:
 
     ba = _load("bench_analysis", HERE.parent / "bench_analysis.py")
     bc = ba._bench_checkpoint()
-    from workbench import analysis
-    from workbench.analysis import fast, tables
+    from workbench.analysis import Session, fast, plans, tables
     from workbench.checkpoint import open_checkpoint
-    from workbench.recipe import parse_recipe
+    from workbench.checkpoint.stacks import Stager, load_stack
+    from workbench.checkpoint.stream import Source, stream_stacks
 
     shape = ba.Shape()
     path = ba.build("mxfp4", Path(args.dir) / "mxfp4", ba.layers_for("mxfp4", args.size_gb, shape),
@@ -94,134 +95,124 @@ def main(argv=None) -> int:
     read_s = time.perf_counter() - t0
     row("plain read", read_s, vs_read=1.0)
 
-    orig_sig = fast._signature
+    recipes = ["mxfp4:rceil"]
 
-    def set_order(order):
-        fast._signature = orig_sig if order == "signature" else \
-            (lambda ck, r: (r.layer, orig_sig(ck, r)))
+    def job_in(ck, order: str):
+        """Question 3's job on ``ck``, its stacks grouped as the path groups them
+        (``signature``) or layer by layer first (``layer``)."""
+        j = plans.job("stored_vs_recipes", ck, recipes)
+        if order == "layer":
+            j = replace(j, keys=[(r.layer, k) for r, k in zip(j.items, j.keys)])
+        return j
 
-    def set_reader(reader, threads):
-        fast.READER = reader
-        fast.READ_THREADS = threads
-        fast._POOL.clear()
+    def plan_of(ck, j, reader: str, threads: int):
+        p = plans.plan_job(j, ck, recipes, device=dev, path="batched", reader=reader)
+        return replace(p, reads=replace(p.reads, read_threads=threads))
 
-    def loads_only(ck, order):
-        set_order(order)
-        items = tables._records(ck, ("routed", "shared", "dense"))
-        plan = fast.Plan.default(dev)
-        sizes = [r.shape[0] * r.shape[1] for r in items]
-        batches = fast.plan_batches([fast._signature(ck, r) for r in items], sizes,
-                                    plan.batch_elements)
-
-        def compute(b, loaded):
-            return ()
-
-        for _ in fast.pipeline(batches, lambda b: fast.load_stack(ck, [items[i] for i in b], dev,
-                                                                   want_grid_only=True),
-                               compute, workers=plan.workers, ahead=plan.ahead, desc="",
-                               total=len(items), progress=False):
-            pass
+    def loads_only(ck, order, reader, threads):
+        j = job_in(ck, order)
+        p = plan_of(ck, j, reader, threads)
+        n = 0
+        for _ in stream_stacks([Source(ck, j.items, dense=False)], j.keys, p.reads, dev):
+            n += 1
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        return len(batches)
+        return n
 
     threads = [int(t) for t in args.threads.split(",")]
     for reader in ("safetensors", "preadv"):
         for order in ("signature", "layer"):
             for th in (threads if reader == "preadv" else threads[:1]):
-                set_reader(reader, th)
                 bc.evict(files)
                 ck = open_checkpoint(path)
                 t0 = time.perf_counter()
-                nb = loads_only(ck, order)
+                nb = loads_only(ck, order, reader, th)
                 s = time.perf_counter() - t0
                 row(f"loads only [{reader}, {th} threads, order {order}]", s,
                     vs_read=round(read_s / s, 2), batches=nb)
 
-    # the full question, the main thread's time split into waiting and computing
-    orig_pipeline = fast.pipeline
+    # the full question, the main thread's time split into waiting for the next stack (inside
+    # stream_stacks) and computing it
+    real_stream = fast.stream_stacks
 
-    def timed_pipeline(batches, load, compute, **kw):
-        acc = timed_pipeline.acc
-
-        def timed_compute(b, loaded):
-            t = time.perf_counter()
-            out = list(compute(b, loaded))
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            acc["compute"] += time.perf_counter() - t
-            return out
-
-        t0 = time.perf_counter()
-        # the whole pipeline less its compute steps: waiting for loads (fut.result) and the pool
-        yield from orig_pipeline(batches, load, timed_compute, **kw)
-        acc["total"] += time.perf_counter() - t0
+    def timed_stream(*a, **k):
+        it = real_stream(*a, **k)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    got = next(it)
+                finally:
+                    timed_stream.acc["waiting"] += time.perf_counter() - t0
+                yield got
+        except StopIteration:
+            return
+        finally:
+            it.close()
 
     variants = [(r, o) for r in ("safetensors", "preadv") for o in ("signature", "layer")] + \
         [("window", "signature")]  # the window reader orders by file itself
-    # the first pass also starts CUDA and the codecs' first launches: run it twice
-    for k, (reader, order) in enumerate(variants):
-        set_reader(reader, threads[0])
-        set_order(order)
-        fast.pipeline = timed_pipeline
-        for call in ((1, 2) if k == 0 else (2,)):
-            timed_pipeline.acc = {"compute": 0.0, "total": 0.0}
-            bc.evict(files)
-            ck = open_checkpoint(path)
-            t0 = time.perf_counter()
-            t = analysis.stored_vs_recipes(ck, ["mxfp4:rceil"], progress=False)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            s = time.perf_counter() - t0
-            acc = timed_pipeline.acc
-            row(f"full [{reader}, order {order}], call {call}", s, vs_read=round(read_s / s, 2),
-                compute_s=round(acc["compute"], 2),
-                waiting_s=round(acc["total"] - acc["compute"], 2), rows=len(t.experts))
-        fast.pipeline = orig_pipeline
-    set_order("signature")
-
-    # compute only: one batch, warm, its metrics again and again
-    set_reader("preadv", threads[0])
-    ck = open_checkpoint(path)
-    items = tables._records(ck, ("routed",))
-    plan = fast.Plan.default(dev)
-    sizes = [r.shape[0] * r.shape[1] for r in items]
-    batches = fast.plan_batches([fast._signature(ck, r) for r in items], sizes, plan.batch_elements)
-    b = [items[i] for i in batches[0]]
-    loaded = fast.load_stack(ck, b, dev, want_grid_only=True)
-    stand_for = sum(ck.index.entry(ck.spec(r.name).part(p)).nbytes for r in b
-                    for p in ("data", "scale"))
-    captured = {}
-
-    class Captured(Exception):
-        pass
-
-    def grab(batches_, load, compute, **kw):  # stored_results' compute step, kept, nothing run
-        captured["compute"] = compute
-        raise Captured
-
-    fast.pipeline = grab
+    session = Session()
+    fast.stream_stacks = timed_stream
     try:
-        fast.stored_results(ck, b, [parse_recipe("mxfp4:rceil")], dev, plan, False, False)
-    except Captured:
-        pass
+        # the first pass also starts CUDA and the codecs' first launches: run it twice
+        for k, (reader, order) in enumerate(variants):
+            for call in ((1, 2) if k == 0 else (2,)):
+                timed_stream.acc = {"waiting": 0.0}
+                bc.evict(files)
+                ck = open_checkpoint(path)
+                t0 = time.perf_counter()
+                j = job_in(ck, order)
+                p = plan_of(ck, j, reader, threads[0])
+                t = tables._collect(fast.stored_results(p, session, ck, j, False),
+                                    tables._pd(), p)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                s = time.perf_counter() - t0
+                waiting = timed_stream.acc["waiting"]
+                row(f"full [{reader}, order {order}], call {call}", s,
+                    vs_read=round(read_s / s, 2), compute_s=round(s - waiting, 2),
+                    waiting_s=round(waiting, 2), rows=len(t.experts))
     finally:
-        fast.pipeline = orig_pipeline
-    if "compute" in captured:
-        for _ in range(2):
-            list(captured["compute"](list(range(len(b))), loaded))
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        n = 5
-        t0 = time.perf_counter()
-        for _ in range(n):
-            list(captured["compute"](list(range(len(b))), loaded))
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        s = (time.perf_counter() - t0) / n
-        rows.append({"what": f"compute only (one batch of {len(b)} weights, warm)",
-                     "seconds": round(s, 4), "GB/s": round(stand_for / s / 1e9, 2)})
-        print(json.dumps(rows[-1]), flush=True)
+        fast.stream_stacks = real_stream
+
+    # compute only: one stack loaded once, its metrics computed again and again
+    ck = open_checkpoint(path)
+    j = plans.job("stored_vs_recipes", ck, recipes, kinds=("routed",))
+    p = plan_of(ck, j, "preadv", threads[0])
+    first = next(iter(stream_stacks([Source(ck, j.items, dense=False)], j.keys, p.reads, dev)))
+    b = [j.items[i] for i in first[0]]
+    loaded = load_stack(ck, b, Stager(dev), "preadv", dense=False)
+    stand_for = sum(ck.index.entry(ck.spec(r.name).part(q)).nbytes for r in b
+                    for q in ("data", "scale"))
+    one = replace(j, items=b, refs=None, keys=[j.keys[i] for i in first[0]],
+                  stored=[j.stored[i] for i in first[0]])
+    p_one = plans.plan_job(one, ck, recipes, device=dev, path="batched")
+
+    def loaded_once(*a, **k):  # the stream's one stack: the loaded one, nothing is read
+        yield list(range(len(b))), (loaded,)
+
+    def compute():  # stored_results on the loaded stack
+        fast.stream_stacks = loaded_once
+        try:
+            fast.stored_results(p_one, session, ck, one, False)
+        finally:
+            fast.stream_stacks = real_stream
+
+    for _ in range(2):
+        compute()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    n = 5
+    t0 = time.perf_counter()
+    for _ in range(n):
+        compute()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    s = (time.perf_counter() - t0) / n
+    rows.append({"what": f"compute only (one batch of {len(b)} weights, warm)",
+                 "seconds": round(s, 4), "GB/s": round(stand_for / s / 1e9, 2)})
+    print(json.dumps(rows[-1]), flush=True)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -255,10 +246,11 @@ def reference_profile(args) -> int:
     ba = _load("bench_analysis", HERE.parent / "bench_analysis.py")
     bc = ba._bench_checkpoint()
     from workbench import analysis
-    from workbench.analysis import fast, tables
+    from workbench.analysis import Session, fast, plans
     from workbench.checkpoint import open_checkpoint
+    from workbench.checkpoint.stacks import Stager
+    from workbench.checkpoint.windows import load_window, side_stacks, window_plan
 
-    fast.READER = "window"
     shape = ba.Shape()
     # a pair of size_gb: BF16 is 2 bytes an element, MXFP4 0.53
     L = ba.layers_for("bf16", args.size_gb * 2 / 2.53, shape)
@@ -283,57 +275,65 @@ def reference_profile(args) -> int:
     _, read_s = bc.sequential_read(files, "read pair")
     row("plain read (both checkpoints)", read_s, read_s)
 
-    orig_pipeline = fast.pipeline
+    real_stream = fast.stream_stacks
     acc = {}
 
-    def timed_pipeline(batches, load, compute, **kw):
-        def timed_compute(b, loaded):
-            t = time.perf_counter()
-            out = list(compute(b, loaded))
-            sync()
-            acc["compute"] += time.perf_counter() - t
-            return out
+    def timed_stream(*a, **k):
+        it = real_stream(*a, **k)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    got = next(it)
+                finally:
+                    acc["waiting"] += time.perf_counter() - t0
+                yield got
+        except StopIteration:
+            return
+        finally:
+            it.close()
 
-        t0 = time.perf_counter()
-        yield from orig_pipeline(batches, load, timed_compute, **kw)
-        acc["total"] += time.perf_counter() - t0
-
-    fast.pipeline = timed_pipeline
+    session = Session()
+    fast.stream_stacks = timed_stream
     try:
         for call in (1, 2):
-            acc.update(compute=0.0, total=0.0)
+            acc.update(waiting=0.0)
             bc.evict(files)
             ck, ref = open_checkpoint(mine_path), open_checkpoint(ref_path)
             t0 = time.perf_counter()
-            t = analysis.reference_errors(ck, ref, kinds=("routed",), progress=False)
+            p = analysis.plan("reference_errors", ck, ref, kinds=("routed",), device=dev,
+                              reader="window", session=session)
+            t = analysis.reference_errors(ck, ref, kinds=("routed",), progress=False, plan=p,
+                                          session=session)
             sync()
             s = time.perf_counter() - t0
-            row(f"full [window], call {call}", s, read_s, compute_s=round(acc["compute"], 2),
-                waiting_s=round(acc["total"] - acc["compute"], 2), rows=len(t.experts))
+            row(f"full [window], call {call}", s, read_s, compute_s=round(s - acc["waiting"], 2),
+                waiting_s=round(acc["waiting"], 2), rows=len(t.experts))
             ck.index.close()
             ref.index.close()
     finally:
-        fast.pipeline = orig_pipeline
+        fast.stream_stacks = real_stream
 
     def loads(which: str) -> None:
         bc.evict(files)
         ck, ref = open_checkpoint(mine_path), open_checkpoint(ref_path)
-        items = tables._records(ck, ("routed",))
-        refs = [ref.record(r.layer, r.expert, r.proj, r.kind) for r in items]
-        plan = fast.Plan.default(dev)
-        keys = [(*fast._signature(ck, r), fast._signature(ref, q)) for r, q in zip(items, refs)]
+        j = plans.job("reference_errors", ck, ref, kinds=("routed",))
+        reads, _ = plans.read_plan(dev, "window")
+        stager = Stager(dev)
         if which == "packed side":  # the packed grids alone, in the path's own spans
-            windows, _, parts = fast.window_plan(ck, items, keys, plan)
+            windows, _, parts = window_plan(ck, j.items, j.keys, reads.batch_elements,
+                                            reads.window_bytes)
         else:
-            windows, _, parts = fast.window_plan(ref, refs, keys, plan, dense=True)
+            windows, _, parts = window_plan(ref, j.refs, j.keys, reads.batch_elements,
+                                            reads.window_bytes, dense=True)
         t0 = time.perf_counter()
         for w in windows:
             if which == "packed side":
-                fast._load_window(ck, w, items, parts, dev)
+                load_window(ck, w, j.items, parts, stager)
             else:
-                fast._load_window(ref, w, refs, parts, dev)
+                load_window(ref, w, j.refs, parts, stager)
                 if which == "both":
-                    fast._side_stacks(ck, items, w.batches, dev, plan.window_bytes)
+                    side_stacks(ck, j.items, w.batches, stager, reads.window_bytes, "window")
         sync()
         row(f"loads only [{which}], {len(windows)} spans", time.perf_counter() - t0, read_s)
 

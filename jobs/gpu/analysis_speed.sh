@@ -2,13 +2,13 @@
 # Per-expert analysis speed on one H200, one command: the stack readers of the batched analysis path side by side
 # in ONE run, so the default reader is measured against its own baseline on the same files:
 #   tests   the GPU analysis tests and the reader tests (tests/analysis/test_fast_gpu.py,
-#           tests/checkpoint/test_read_into.py, tests/analysis/test_read_into_stacks.py)
+#           tests/checkpoint/test_read_into.py, tests/checkpoint/test_stacks.py)
 #                                                                   -> $OUT/tests.log
 #   bench   jobs/bench_analysis.py --size-gb $SIZE_GB --cleanup --formats mxfp4 --questions
 #           stored_vs_recipes,candidate_errors --readers $READERS: one 15 GB MXFP4 checkpoint,
 #           one plain sequential read, then per question a fresh process per reader
-#           (WORKBENCH_ANALYSIS_READER=preadv: read_into per member straight into pinned stacks;
-#           =window: each shard read front to back in 512 MiB spans, stacks cut on the device),
+#           (the plan's reader preadv: read_into per member straight into pinned stacks;
+#           window: each shard read front to back in 512 MiB spans, stacks cut on the device),
 #           two calls each, cold page cache each, the tables of the readers compared
 #                                                                   -> $OUT/bench_analysis.{md,log}
 #   formats the other formats with the default reader: NVFP4 and MXFP8 (stored vs recipes,
@@ -42,7 +42,7 @@ REF_GB=${REF_GB:-12}
 if [[ $STAGES == *tests* ]]; then
   stamp "tests"
   timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/analysis/test_fast_gpu.py \
-    tests/checkpoint/test_read_into.py tests/analysis/test_read_into_stacks.py 2>&1 \
+    tests/checkpoint/test_read_into.py tests/checkpoint/test_stacks.py 2>&1 \
     | tail -20 | tee "$OUT/tests.log"
 fi
 if [[ $STAGES == *bench* ]]; then

@@ -55,12 +55,13 @@ wait_for() {
 
 pid_alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
-# Both nodes idle (or mixed/allocated: a running cluster with jobs is healthy too) and sacct answers.
+# Both nodes idle (or mixed, allocated or completing a job: a running cluster with jobs is healthy
+# too, and restarting it would kill them) and sacct answers.
 healthy() {
   local states
   states=$(timeout 10 sinfo -h -N -o '%N %t' 2>/dev/null | sort -u) || return 1
   for n in "${NODES[@]}"; do
-    grep -Eq "^$n (idle|mix|alloc)\$" <<<"$states" || return 1
+    grep -Eq "^$n (idle|mix|alloc|comp)\$" <<<"$states" || return 1
   done
   accounting_ready
 }

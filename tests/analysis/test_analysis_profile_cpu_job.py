@@ -14,31 +14,23 @@ import pytest
 JOB = Path(__file__).resolve().parents[2] / "jobs" / "analysis_profile_cpu.py"
 
 
-def test_the_profile_job_runs_at_a_tiny_size(tmp_path, capsys, monkeypatch):
-    from workbench.analysis import graphs, paths
+def test_the_profile_job_runs_at_a_tiny_size(tmp_path, capsys):
+    from workbench.analysis import batched, fast, fused
+    from workbench.analysis.session import Session
+    from workbench.checkpoint import stream
 
-    # what the job's calls leave in this process stays with this test: the paths logged once
-    # (a later test reads its own choice from the log) and the units its fused calls warmed
-    monkeypatch.setattr(paths, "_LOGGED", set())
-    monkeypatch.setattr(graphs, "_WARM", set())
     spec = importlib.util.spec_from_file_location("analysis_profile_cpu", JOB)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
-    from workbench.analysis import batched, compiled, fast, fused
-
-    saved = [(m, dict(vars(m))) for m in (fast, fused, compiled)]
-    saved.append((fused.FusedResult, {"histogram": fused.FusedResult.histogram}))
-    try:  # the job instruments these modules for its process: put them back for later tests
-        assert mod.main(["--small-shape", "--experts", "4", "--size-gb", "0.002",
-                         "--ref-gb", "0.003", "--dir", str(tmp_path / "ck"),
-                         "--formats", "mxfp4,nvfp4", "--out", str(tmp_path / "out")]) == 0
-    finally:
-        for m, d in saved:
-            for k, v in d.items():
-                if getattr(m, k, None) is not v and not k.startswith("__"):
-                    setattr(m, k, v)
-    assert fast.batched is batched and fast.load_stack is saved[0][1]["load_stack"]
+    before = [(fast, "batched"), (fast, "stream_stacks"), (stream, "load_stack"),
+              (Session, "run"), (fused, "pack_blocks"), (fused.FusedResult, "histogram")]
+    saved = [getattr(o, n) for o, n in before]
+    assert mod.main(["--small-shape", "--experts", "4", "--size-gb", "0.002",
+                     "--ref-gb", "0.003", "--dir", str(tmp_path / "ck"),
+                     "--formats", "mxfp4,nvfp4", "--out", str(tmp_path / "out")]) == 0
+    # the job instruments these for its run only: later tests find them as they were
+    assert [getattr(o, n) for o, n in before] == saved and fast.batched is batched
     text = (tmp_path / "out" / "analysis_profile_cpu.md").read_text()
     lines = [x for x in text.splitlines() if x.startswith("| ") and "---" not in x]
     k = len(mod.STAGES)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 from test_fast_paths import LAYOUTS, NO_GRID, RECIPES, assert_tables_equal, layout  # noqa: F401
 
-from workbench.analysis import candidate_errors, fast, reference_errors, stored_vs_recipes
+from workbench import analysis
+from workbench.analysis import candidate_errors, reference_errors, stored_vs_recipes
 
 pytestmark = pytest.mark.gpu
 assert LAYOUTS  # the fixture `layout` is parametrised over these
@@ -21,29 +22,34 @@ assert LAYOUTS  # the fixture `layout` is parametrised over these
 READERS = ("auto", "preadv")
 
 
-def test_cuda_stored_vs_recipes(layout, monkeypatch):  # noqa: F811
+def on_cuda(fn, ck, other, reader: str, **kw):
+    """``fn`` with the plan "auto" makes on CUDA (the batched path), with ``reader``."""
+    kinds = {"kinds": kw.pop("kinds")} if "kinds" in kw else {}
+    p = analysis.plan(fn.__name__, ck, other, device="cuda", reader=reader, **kinds)
+    assert p.path == "batched", p
+    return fn(ck, other, plan=p, progress=False, **kinds, **kw)
+
+
+def test_cuda_stored_vs_recipes(layout):  # noqa: F811
     name, ck, _ = layout
     ref = stored_vs_recipes(ck, RECIPES, progress=False, path="reference", device="cpu")
     for reader in READERS:
-        monkeypatch.setattr(fast, "READER", reader)
-        got = stored_vs_recipes(ck, RECIPES, progress=False, device="cuda")  # auto: batched
+        got = on_cuda(stored_vs_recipes, ck, RECIPES, reader)
         assert_tables_equal(ref, got, (name, "cuda", reader), empty=name in NO_GRID)
 
 
-def test_cuda_candidate_errors(layout, monkeypatch):  # noqa: F811
+def test_cuda_candidate_errors(layout):  # noqa: F811
     name, ck, _ = layout
     ref = candidate_errors(ck, RECIPES, progress=False, path="reference", device="cpu")
     for reader in READERS:
-        monkeypatch.setattr(fast, "READER", reader)
-        got = candidate_errors(ck, RECIPES, progress=False, device="cuda")
+        got = on_cuda(candidate_errors, ck, RECIPES, reader)
         assert_tables_equal(ref, got, (name, "cuda", reader))
 
 
-def test_cuda_reference_errors(layout, monkeypatch):  # noqa: F811
+def test_cuda_reference_errors(layout):  # noqa: F811
     name, ck, dense = layout
     ref = reference_errors(ck, dense, kinds=("routed",), progress=False, path="reference",
                            device="cpu")
     for reader in READERS:
-        monkeypatch.setattr(fast, "READER", reader)
-        got = reference_errors(ck, dense, kinds=("routed",), progress=False, device="cuda")
+        got = on_cuda(reference_errors, ck, dense, reader, kinds=("routed",))
         assert_tables_equal(ref, got, (name, "cuda", reader))

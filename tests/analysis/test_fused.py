@@ -18,8 +18,11 @@ import pytest
 import torch
 from analysis_ckpts import moe_weights, write_mxfp4
 
-from workbench.analysis import fused, stored_vs_recipes
+from workbench import analysis
+from workbench.analysis import Session, fused, stored_vs_recipes
+from workbench.analysis.fused_common import mag_e2m1, round_e2m1
 from workbench.analysis.metrics import error_metrics, grid_mismatch, scale_exponents
+from workbench.analysis.session import eager
 from workbench.checkpoint import open_checkpoint
 from workbench.formats import dequantize, parse_recipe, quantize
 from workbench.formats.constants import E2M1_MAGNITUDES
@@ -76,30 +79,35 @@ def test_round_e2m1_equals_the_reference_rounding_on_every_bf16_value(ties):
     bits = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16)  # +0 .. largest finite
     x = bits.view(torch.bfloat16)
     want = torch.tensor(E2M1_MAGNITUDES)[e2m1_magnitude_code(x, ties).long()]
-    got = fused.round_e2m1(x.float(), ties)
+    got = round_e2m1(x.float(), ties)
     bad = (got != want).nonzero().flatten()
     assert bad.numel() == 0, (x[bad[:5]].tolist(), got[bad[:5]].tolist(), want[bad[:5]].tolist())
 
 
 def test_magnitudes_without_a_table():
-    assert fused._mag(torch.arange(8, dtype=torch.float32)).tolist() == list(E2M1_MAGNITUDES)
+    assert mag_e2m1(torch.arange(8, dtype=torch.float32)).tolist() == list(E2M1_MAGNITUDES)
 
 
 @pytest.fixture
-def eager(monkeypatch):
-    """The fused function run uncompiled (same code, no compile cost): covers every profile."""
-    monkeypatch.setattr(fused, "_COMPILED", {t: fused._fused(t) for t in fused.TIES})
-    monkeypatch.setattr(fused, "COMPILE_SECONDS", dict.fromkeys(fused.TIES, 0.0))
-    monkeypatch.setattr(fused, "_BROKEN", [])  # a compile that failed in another test: not ours
+def uncompiled():
+    """A session whose graphs run uncompiled (same code, no compile cost): covers every
+    profile."""
+    return Session(compiler=eager)
+
+
+@pytest.fixture(scope="module")
+def compiling():
+    """One session for this module's compiled tests: each tie rule compiles once."""
+    return Session()
 
 
 @pytest.mark.parametrize("stored_profile", ["compressed-tensors", "transformers"])
-def test_every_mxfp4_profile_uncompiled(eager, stored_profile):
+def test_every_mxfp4_profile_uncompiled(uncompiled, stored_profile):
     gs = grids(stored_profile)
     for name in MX4:
         r = parse_recipe(f"mxfp4:{name}")
         assert fused.static_reason(r, torch.device("cpu")) is None, name
-        got = fused.stored_vs_recipe(gs, r)
+        got = fused.stored_vs_recipe(uncompiled, gs, r)
         for g, res in zip(gs, got):
             want, hist = reference(g, r)
             assert_same(res.metrics, want, (name, g.shape))
@@ -107,19 +115,19 @@ def test_every_mxfp4_profile_uncompiled(eager, stored_profile):
 
 
 @pytest.mark.inductor_cpp
-def test_compiled_equals_reference():
+def test_compiled_equals_reference(compiling):
     gs = grids()
     # one call for several grids of different sizes, padded to whole chunks internally
     for name in ("rceil", "ceil", "floor", "even", "compressed-tensors"):
         r = parse_recipe(f"mxfp4:{name}")
-        got = fused.stored_vs_recipe(gs, r)
-        assert got is not None, fused._BROKEN
+        got = fused.stored_vs_recipe(compiling, gs, r)
+        assert got is not None, compiling.broken
         for g, res in zip(gs, got):
             want, hist = reference(g, r)
             assert_same(res.metrics, want, (name, g.shape))
             assert fused_hist(res) == hist, name
     # the comparison must see errors and mismatches, not only lossless re-quantization
-    ceil = fused.stored_vs_recipe(gs, parse_recipe("mxfp4:ceil"))
+    ceil = fused.stored_vs_recipe(compiling, gs, parse_recipe("mxfp4:ceil"))
     assert max(x.metrics["rel_err"] for x in ceil) > 0
     assert max(x.metrics["code_mismatch_frac"] for x in ceil) > 0
 
@@ -127,15 +135,15 @@ def test_compiled_equals_reference():
 @pytest.mark.slow
 @pytest.mark.inductor_cpp
 @pytest.mark.parametrize("name", ["triton-kernels", "modelopt-export"])
-def test_compiled_other_tie_rules(name):
+def test_compiled_other_tie_rules(compiling, name):
     gs, r = grids(), parse_recipe(f"mxfp4:{name}")
-    for g, res in zip(gs, fused.stored_vs_recipe(gs, r)):
+    for g, res in zip(gs, fused.stored_vs_recipe(compiling, gs, r)):
         want, hist = reference(g, r)
         assert_same(res.metrics, want, (name, g.shape))
         assert fused_hist(res) == hist
 
 
-def test_clip_count_when_a_rule_picks_too_small_a_scale(eager):
+def test_clip_count_when_a_rule_picks_too_small_a_scale():
     """No MX rule clips a decoded MXFP4 grid, so drive the fused function with a table that
     picks one binade too small and count clipped elements independently (E2M1 encode/decode of
     the reference elements module)."""
@@ -167,17 +175,17 @@ def _ckpt(tmp_path):
 
 
 @pytest.mark.inductor_cpp
-def test_stored_vs_recipes_fused_equals_reference(tmp_path, caplog, monkeypatch):
-    # log_choice says each choice once per process; forget what earlier tests on this worker said
-    monkeypatch.setattr(fused, "_LOGGED", set())
+def test_stored_vs_recipes_fused_equals_reference(tmp_path, caplog, compiling):
     ck = _ckpt(tmp_path)
     recipes = ["mxfp4:rceil", "mxfp4:ceil", "nvfp4:torchao"]
     ref = stored_vs_recipes(ck, recipes, progress=False, path="reference")
-    with caplog.at_level(logging.INFO, logger="workbench.analysis.fused"):
-        got = stored_vs_recipes(ck, recipes, progress=False, path="fused")
-    log = caplog.text
-    assert "mxfp4:rceil: fused CPU path" in log and "nvfp4:torchao: batched path" in log
-    assert "batched path (scale bytes" in log  # the weight scaled by 2^-70
+    p = analysis.plan("stored_vs_recipes", ck, recipes, path="fused", device="cpu",
+                      session=compiling)
+    assert p.passes("mxfp4", "mxfp4:rceil")[0] == "closed form"
+    assert p.passes("mxfp4", "nvfp4:torchao") == ("batched",)
+    with caplog.at_level(logging.INFO, logger="workbench.analysis.fused_common"):
+        got = stored_vs_recipes(ck, recipes, progress=False, plan=p, session=compiling)
+    assert "batched path (scale bytes" in caplog.text  # the weight scaled by 2^-70
     a, b = ref.experts, got.experts
     assert list(a.columns) == list(b.columns) and len(a) == len(b) == 3 * len(ck.expert_records())
     for col in a.columns:
@@ -189,7 +197,7 @@ def test_stored_vs_recipes_fused_equals_reference(tmp_path, caplog, monkeypatch)
 
 
 @pytest.mark.inductor_cpp
-def test_grids_with_all_zero_blocks_stay_fused():
+def test_grids_with_all_zero_blocks_stay_fused(compiling):
     """Libraries write byte 0 (2^-127) for an all-zero block; such blocks decode to exact zeros
     under any finite scale, so only blocks with a non-zero code must have a safe byte."""
     g = grids()[0]
@@ -199,7 +207,7 @@ def test_grids_with_all_zero_blocks_stay_fused():
     assert zero.numel() > 0
     sc.view(-1)[zero] = 0
     assert fused.grid_reason(replace(g, scale=sc)) is None
-    res = fused.stored_vs_recipe([replace(g, scale=sc)], parse_recipe("mxfp4:rceil"))[0]
+    res = fused.stored_vs_recipe(compiling, [replace(g, scale=sc)], parse_recipe("mxfp4:rceil"))[0]
     want, hist = reference(replace(g, scale=sc), parse_recipe("mxfp4:rceil"))
     assert_same(res.metrics, want, "zero blocks at byte 0")
     assert fused_hist(res) == hist
@@ -209,22 +217,25 @@ def test_grids_with_all_zero_blocks_stay_fused():
 
 
 @pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled")
-def test_a_failed_compile_falls_back_to_the_reference(tmp_path, monkeypatch, caplog):
+def test_a_failed_compile_falls_back_to_the_reference(tmp_path, caplog):
+    """A real compile failure (Inductor pointed at a C++ compiler that does not exist): the
+    table is still the reference's, the failure is the session's, and a plan made from that
+    session routes no stack to a closed form."""
     import torch._inductor.config as inductor_config
 
     ck = _ckpt(tmp_path)
     ref = stored_vs_recipes(ck, ["mxfp4:ceil"], progress=False, path="reference").experts
-    monkeypatch.setattr(fused, "_COMPILED", {})
-    monkeypatch.setattr(fused, "COMPILE_SECONDS", {})
-    monkeypatch.setattr(fused, "_BROKEN", [])
+    s = Session()
     torch._dynamo.reset()  # compiled code of earlier tests would be reused without compiling
     try:
         with inductor_config.patch({"cpp.cxx": ("/nonexistent/g++",), "force_disable_caches": True}), \
                 caplog.at_level(logging.INFO, logger="workbench.analysis.fused"):
-            got = stored_vs_recipes(ck, ["mxfp4:ceil"], progress=False, path="fused").experts
+            got = stored_vs_recipes(ck, ["mxfp4:ceil"], progress=False, path="fused",
+                                    session=s).experts
     finally:
         torch._dynamo.reset()
     assert "fused analysis unavailable, using the batched path" in caplog.text
-    assert fused._BROKEN and fused.static_reason(parse_recipe("mxfp4"), torch.device("cpu")
-                                                 ).startswith("compiling failed")
+    assert "fused" in s.broken
+    p = analysis.plan("stored_vs_recipes", ck, ["mxfp4:ceil"], path="fused", session=s)
+    assert p.passes("mxfp4", "mxfp4:ceil") == ("batched",)
     assert got.drop(columns=list(FROM_SUMS)).equals(ref.drop(columns=list(FROM_SUMS)))

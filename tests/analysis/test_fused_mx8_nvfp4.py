@@ -22,8 +22,11 @@ import pytest
 import torch
 from analysis_ckpts import LIBRARY_LAYOUTS
 
-from workbench.analysis import fused, fused_fp8, fused_nvfp4, stored_vs_recipes
+from workbench import analysis
+from workbench.analysis import Session, fused, fused_fp8, stored_vs_recipes
+from workbench.analysis.fused_common import round_e2m1
 from workbench.analysis.metrics import error_metrics, grid_mismatch, scale_exponents
+from workbench.analysis.session import eager as eager_compiler
 from workbench.checkpoint import open_checkpoint
 from workbench.formats import QuantizedTensor, dequantize, parse_recipe, quantize
 from workbench.formats.constants import E2M1_MAGNITUDES
@@ -70,12 +73,15 @@ def assert_same(res, stored, recipe, what):
 
 
 @pytest.fixture
-def eager(monkeypatch):
-    """The closed forms' graph functions run uncompiled; a failed compile elsewhere is not ours."""
-    for mod in (fused_fp8, fused_nvfp4):
-        monkeypatch.setattr(mod, "_run", lambda key, build, args: build()(*args))
-    monkeypatch.setattr(fused, "_BROKEN", [])
-    monkeypatch.setattr(fused, "_LOGGED", set())
+def eager():
+    """A session whose graphs run uncompiled (the closed forms' graph functions, no compile)."""
+    return Session(compiler=eager_compiler)
+
+
+@pytest.fixture(scope="module")
+def compiling():
+    """One session for this module's compiled tests."""
+    return Session()
 
 
 # -- element arithmetic ----------------------------------------------------------------------
@@ -115,7 +121,7 @@ def test_e2m1_rounding_on_fp32_values_around_every_boundary():
     sweep = torch.rand(1 << 20, generator=torch.Generator().manual_seed(0)) * 8
     v = torch.cat([near, sweep, torch.tensor([0.0, 7.0, 100.0])])
     want = mags[e2m1_magnitude_code(v, "even").long()]
-    assert torch.equal(fused.round_e2m1(v, "even"), want)
+    assert torch.equal(round_e2m1(v, "even"), want)
 
 
 # -- MXFP8 -----------------------------------------------------------------------------------
@@ -157,7 +163,7 @@ def test_mxfp8_every_profile_pair_uncompiled(eager, fmt):
         for rp in mx8_profiles(fmt):
             r = parse_recipe(f"{fmt}:{rp}")
             assert fused.static_reason(r, torch.device("cpu")) is None
-            for g, res in zip(gs, fused.stored_vs_recipe(gs, r)):
+            for g, res in zip(gs, fused.stored_vs_recipe(eager, gs, r)):
                 want = assert_same(res, g, r, (sp, rp))
                 for k, col in (("clip", "clip_frac"), ("code", "code_mismatch_frac"),
                                ("scale", "scale_mismatch_frac"), ("zero", "zero_frac")):
@@ -183,14 +189,13 @@ def test_mxfp8_grids_hold_subnormal_ties():
 
 
 @pytest.mark.inductor_cpp
-def test_mxfp8_compiled_equals_reference(monkeypatch):
-    monkeypatch.setattr(fused, "_BROKEN", [])
+def test_mxfp8_compiled_equals_reference(compiling):
     fmt = "mxfp8_e4m3"
     gs = [mx8_grid(fmt, "modelopt-export", 0), mx8_grid(fmt, "modelopt-export", 2)]
     for rp in ("rceil", "floor"):
         r = parse_recipe(f"{fmt}:{rp}")
-        got = fused.stored_vs_recipe(gs, r)
-        assert got is not None, fused._BROKEN
+        got = fused.stored_vs_recipe(compiling, gs, r)
+        assert got is not None, compiling.broken
         for g, res in zip(gs, got):
             assert_same(res, g, r, rp)
 
@@ -211,8 +216,8 @@ def test_mxfp8_fallbacks_are_explained(eager, caplog):
     data = g.data.view(torch.uint8).clone()
     data[4, 7] = 0x7F  # a NaN element: found inside the pass, that grid is handed back
     nan = replace(g, data=data.view(torch.float8_e4m3fn))
-    with caplog.at_level(logging.INFO, logger="workbench.analysis.fused"):
-        res = fused.stored_vs_recipe([g, nan], r)
+    with caplog.at_level(logging.INFO, logger="workbench.analysis.fused_common"):
+        res = fused.stored_vs_recipe(eager, [g, nan], r)
     assert res[1] is None and "NaN or inf element codes" in caplog.text
     assert_same(res[0], g, r, "the grid beside it")
 
@@ -249,7 +254,7 @@ def test_nvfp4_every_profile_pair_uncompiled(eager):
         for rp in NV_PROFILES:
             r = parse_recipe(f"nvfp4:{rp}")
             assert fused.static_reason(r, torch.device("cpu")) is None
-            for g, res in zip(gs, fused.stored_vs_recipe(gs, r)):
+            for g, res in zip(gs, fused.stored_vs_recipe(eager, gs, r)):
                 assert fused.grid_reason(g, r) is None
                 want = assert_same(res, g, r, (sp, rp, g.shape))
                 for k, col in (("clip", "clip_frac"), ("code", "code_mismatch_frac"),
@@ -280,17 +285,16 @@ def tie_grid():
 
 def test_nvfp4_ties_uncompiled(eager):
     g, r = tie_grid()
-    want = assert_same(fused.stored_vs_recipe([g], r)[0], g, r, "ties")
+    want = assert_same(fused.stored_vs_recipe(eager, [g], r)[0], g, r, "ties")
     assert want["code_mismatch_frac"] > 0  # the tie went to the even code, away from 0.5
 
 
 @pytest.mark.inductor_cpp
-def test_nvfp4_compiled_equals_reference(monkeypatch):
-    monkeypatch.setattr(fused, "_BROKEN", [])
+def test_nvfp4_compiled_equals_reference(compiling):
     gs = [nv_grid("compressed-tensors", 0), nv_grid("compressed-tensors", 1, 2.0**-3)]
     r = parse_recipe("nvfp4:torchao")
-    got = fused.stored_vs_recipe(gs, r)
-    assert got is not None, fused._BROKEN
+    got = fused.stored_vs_recipe(compiling, gs, r)
+    assert got is not None, compiling.broken
     for g, res in zip(gs, got):
         assert_same(res, g, r, g.global_scale)
 
@@ -314,8 +318,8 @@ def test_nvfp4_fallbacks_are_explained(eager, caplog):
     # known only after the first pass: decoded values too small, or an all-zero weight
     tiny = nv_grid("torchao", global_decode=2.0**-45)
     zero = replace(g, data=torch.zeros_like(g.data))
-    with caplog.at_level(logging.INFO, logger="workbench.analysis.fused"):
-        res = fused.stored_vs_recipe([tiny, g, zero], r)
+    with caplog.at_level(logging.INFO, logger="workbench.analysis.fused_common"):
+        res = fused.stored_vs_recipe(eager, [tiny, g, zero], r)
     assert res[0] is None and res[2] is None
     assert "decoded weights outside 2^-50..2^50 (or all zero)" in caplog.text
     assert_same(res[1], g, r, "the grid between them")
@@ -328,9 +332,10 @@ GRID_LAYOUTS = {"ct-nvfp4": "nvfp4", "modelopt-nvfp4": "nvfp4", "modelopt-mxfp8"
 
 
 @pytest.mark.parametrize("name", sorted(GRID_LAYOUTS))
-def test_library_checkpoints_every_profile(eager, tmp_path, monkeypatch, name):
+def test_library_checkpoints_every_profile(eager, tmp_path, caplog, name):
     """``stored_vs_recipes(path="fused")`` on each library's own checkpoint, with every profile
-    of the stored format: the closed form served every recipe, the table is the reference's."""
+    of the stored format: the plan routes every recipe to the closed form, no stack fell back
+    (a fallback says why), and the table is the reference's."""
     from test_fast_paths import assert_tables_equal
 
     module, write = LIBRARY_LAYOUTS[name]
@@ -341,17 +346,13 @@ def test_library_checkpoints_every_profile(eager, tmp_path, monkeypatch, name):
     fmt = GRID_LAYOUTS[name]
     assert {ck.recipe_of(r.name).fmt for r in ck.expert_records()} == {fmt}
     recipes = [f"{fmt}:{p}" for p in (mx8_profiles(fmt) if fmt != "nvfp4" else NV_PROFILES)]
-    served = []
-    real = fused.stored_vs_recipe
-
-    def spy(gs, r):
-        out = real(gs, r)
-        if out is not None and all(x is not None for x in out):
-            served.append(str(r))
-        return out
-
-    monkeypatch.setattr(fused, "stored_vs_recipe", spy)
+    p = analysis.plan("stored_vs_recipes", ck, recipes, path="fused", device="cpu", session=eager)
+    assert all(p.passes(fmt, r)[0] == "closed form" for r in recipes), str(p)
     ref = stored_vs_recipes(ck, recipes, progress=False, path="reference")
-    assert_tables_equal(ref, stored_vs_recipes(ck, recipes, progress=False, path="fused"),
-                        (name, "fused"))
-    assert set(served) == set(recipes), served
+    with caplog.at_level(logging.INFO, logger="workbench.analysis"):
+        got = stored_vs_recipes(ck, recipes, progress=False, plan=p, session=eager)
+    assert_tables_equal(ref, got, (name, "fused"))
+    assert eager.calls > 0 and not eager.broken
+    fell = [r.getMessage() for r in caplog.records if r.name.startswith("workbench.analysis")
+            and ("batched path (" in r.getMessage() or r.levelno >= logging.WARNING)]
+    assert not fell, fell

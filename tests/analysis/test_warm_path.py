@@ -1,32 +1,20 @@
-""""auto" in a warm process (``paths.choose_path`` with ``graphs``' record of warm jobs): a small
-CPU job stays batched in a fresh process, takes ``fused`` once a fused call of the same job
-has run compiled graphs here, and stays batched after a compile failed in the process.
-
-Which path ran is read from the ``workbench.analysis.paths`` log (``paths._LOGGED`` reset per
-test, since each text is logged once per process)."""
+""""auto" with a warm session (``plans.plan`` reading the caller's ``Session``): a small CPU job
+stays batched with a fresh session, takes ``fused`` once a fused call of the same job has run
+compiled graphs in that session, and stays batched after a compile failed in it. Nothing of
+this lives in the process: another session, or none, starts cold."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
 from analysis_ckpts import moe_weights, write_mxfp4
 
-from workbench.analysis import candidate_errors, compiled, fused, graphs, paths, stored_vs_recipes
+from workbench import analysis
+from workbench.analysis import Session, candidate_errors, compiled, plans, stored_vs_recipes
+from workbench.analysis.session import eager
 from workbench.checkpoint import open_checkpoint
 
 FROM_SUMS = ["rel_err", "sqnr_db", "cosine"]
-
-
-@pytest.fixture
-def fresh(monkeypatch):
-    """This test's process as a fresh one: no warm jobs, nothing broken, every log text new."""
-    monkeypatch.setattr(graphs, "_WARM", set())
-    monkeypatch.setattr(paths, "_LOGGED", set())
-    monkeypatch.setattr(fused, "_BROKEN", [])
-    monkeypatch.setattr(compiled, "_BROKEN", [])
-    monkeypatch.delenv(paths.ENV, raising=False)
 
 
 @pytest.fixture
@@ -35,94 +23,112 @@ def ck(tmp_path):
     return open_checkpoint(write_mxfp4(tmp_path / "mx", sd, "mxfp4:even"))
 
 
-def _auto(caplog, call) -> tuple[str, object]:
-    """(the path "auto" took, per the log; the table)"""
-    caplog.clear()
-    paths._LOGGED.clear()  # (the fixture made it this test's own set)
-    with caplog.at_level(logging.INFO, logger="workbench.analysis.paths"):
-        t = call()
-    said = [r.getMessage() for r in caplog.records if r.name == "workbench.analysis.paths"]
-    assert len(said) == 1, said
-    return said[0], t
+def _auto(call, session: Session | None) -> tuple[analysis.AnalysisPlan, object]:
+    """(the plan "auto" ran, the tables)"""
+    t = call(session)
+    return t.plan, t
 
 
-def test_a_fresh_process_keeps_a_small_job_batched(fresh, ck, caplog):
-    said, _ = _auto(caplog, lambda: stored_vs_recipes(ck, ["mxfp4:rceil"], progress=False,
-                                                      device="cpu"))
-    assert said.startswith("stored grid vs recipes: batched path on cpu (default on CPU below")
-    assert "no compile" in said
-    assert not graphs._WARM  # a batched call records nothing
+def test_a_fresh_session_keeps_a_small_job_batched(ck):
+    s = Session()
+    p, _ = _auto(lambda s: stored_vs_recipes(ck, ["mxfp4:rceil"], progress=False, device="cpu",
+                                             session=s), s)
+    assert p.summary().startswith("stored grid vs recipes: batched path on cpu (default on CPU "
+                                  "below")
+    assert "no compile" in p.why
+    assert not s.warm_units  # a batched call records nothing
 
 
 @pytest.mark.inductor_cpp  # compiles for real: skipped where Inductor cannot build (conftest)
 @pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled")
-def test_the_same_small_job_after_a_fused_call_takes_fused(fresh, ck, caplog):
-    """After a fused call (compiled for real) of question 3, the same job's "auto" call takes
-    fused, with the same table, and so does a smaller job of the same units (routed experts
-    only); the same checkpoint under another question, or another recipe, has not been compiled:
-    batched."""
-    first = stored_vs_recipes(ck, ["mxfp4:rceil"], progress=False, device="cpu", path="fused")
-    assert fused._BROKEN == [], fused._BROKEN
-    said, got = _auto(caplog, lambda: stored_vs_recipes(ck, ["mxfp4:rceil"], progress=False,
-                                                        device="cpu"))
-    assert said.startswith("stored grid vs recipes: fused path on cpu (default on CPU below"), said
-    assert "warm process" in said
+def test_the_same_small_job_after_a_fused_call_takes_fused(ck):
+    """After a fused call (compiled for real) of question 3, the same job's "auto" call in the
+    same session takes fused, with the same table, and so does a smaller job of the same units
+    (routed experts only); the same checkpoint under another question, or another recipe, has
+    not been compiled: batched. Another session knows none of it."""
+    s = Session()
+    first = stored_vs_recipes(ck, ["mxfp4:rceil"], progress=False, device="cpu", path="fused",
+                              session=s)
+    assert not s.broken, s.broken
+    p, got = _auto(lambda s: stored_vs_recipes(ck, ["mxfp4:rceil"], progress=False,
+                                               device="cpu", session=s), s)
+    assert p.summary().startswith("stored grid vs recipes: fused path on cpu (default on CPU "
+                                  "below"), p
+    assert "warm session" in p.why
     assert got.experts.drop(columns=FROM_SUMS).equals(first.experts.drop(columns=FROM_SUMS))
     assert got.scales.equals(first.scales)
-    said, _ = _auto(caplog, lambda: stored_vs_recipes(ck, ["mxfp4:rceil"], kinds=("routed",),
-                                                      progress=False, device="cpu"))
-    assert said.startswith("stored grid vs recipes: fused path on cpu"), said  # fewer, same units
-    said, _ = _auto(caplog, lambda: candidate_errors(ck, ["mxfp4:rceil"], progress=False,
-                                                     device="cpu"))
-    assert said.startswith("candidate recipes: batched path on cpu"), said
-    said, _ = _auto(caplog, lambda: stored_vs_recipes(ck, ["mxfp4:rceil", "mxfp4:floor"],
-                                                      progress=False, device="cpu"))
-    assert said.startswith("stored grid vs recipes: batched path on cpu"), said
+    p, _ = _auto(lambda s: stored_vs_recipes(ck, ["mxfp4:rceil"], kinds=("routed",),
+                                             progress=False, device="cpu", session=s), s)
+    assert p.path == "fused", p  # fewer weights, the same units
+    p, _ = _auto(lambda s: candidate_errors(ck, ["mxfp4:rceil"], progress=False, device="cpu",
+                                            session=s), s)
+    assert p.path == "batched", p
+    p, _ = _auto(lambda s: stored_vs_recipes(ck, ["mxfp4:rceil", "mxfp4:floor"], progress=False,
+                                             device="cpu", session=s), s)
+    assert p.path == "batched", p
+    for other in (Session(), None):  # the warmth is the session's, not the process's
+        p, _ = _auto(lambda s: stored_vs_recipes(ck, ["mxfp4:rceil"], progress=False,
+                                                 device="cpu", session=s), other)
+        assert p.path == "batched" and "no compile" in p.why, p
 
 
-def test_a_fused_call_that_ran_no_graph_warms_nothing(fresh, ck, caplog):
+def test_a_fused_call_that_ran_no_graph_warms_nothing(ck):
     """MXFP4 grids under an NVFP4 recipe: no closed form, and compiled.py's graph for that pair
     is measured slower (not in ``compiled.FASTER``), so the fused call runs it batched and
     compiles nothing: the next "auto" call is not known to be warm."""
-    assert not compiled.preferred("recipe", "mxfp4", "nvfp4")
-    stored_vs_recipes(ck, ["nvfp4:torchao"], progress=False, device="cpu", path="fused")
-    said, _ = _auto(caplog, lambda: stored_vs_recipes(ck, ["nvfp4:torchao"], progress=False,
-                                                      device="cpu"))
-    assert said.startswith("stored grid vs recipes: batched path on cpu"), said
-    assert "no compile" in said
+    assert ("recipe", "mxfp4", "nvfp4") not in compiled.FASTER
+    s = Session()
+    t = stored_vs_recipes(ck, ["nvfp4:torchao"], progress=False, device="cpu", path="fused",
+                          session=s)
+    assert t.plan.passes("mxfp4", "nvfp4:torchao") == ("batched",)
+    assert s.calls == 0 and not s.warm_units
+    p, _ = _auto(lambda s: stored_vs_recipes(ck, ["nvfp4:torchao"], progress=False,
+                                             device="cpu", session=s), s)
+    assert p.path == "batched" and "no compile" in p.why, p
 
 
-def test_a_failed_compile_keeps_warm_jobs_batched(fresh, ck, caplog, monkeypatch):
-    """A job made warm by a fused call, then a compile of another job fails (the family turns
-    off for the process): "auto" takes batched again for both, the reason logged. The first
-    job's graph is the closed form run uncompiled (registered as compiled, as test_fused.py's
-    ``eager`` fixture does); the second job's compile fails inside ``torch.compile``'s result,
-    where Inductor's errors surface."""
-    monkeypatch.setattr(fused, "_COMPILED", {"even": fused._fused("even")})
-    monkeypatch.setattr(fused, "COMPILE_SECONDS", {"even": 0.0})
-    stored_vs_recipes(ck, ["mxfp4:rceil"], progress=False, device="cpu", path="fused")
-    said, _ = _auto(caplog, lambda: stored_vs_recipes(ck, ["mxfp4:rceil"], progress=False,
-                                                      device="cpu"))
-    assert said.startswith("stored grid vs recipes: fused path on cpu"), said
+def _compiles_once():
+    """A compiler that compiles nothing: its first graph runs eagerly, every later one fails
+    when called, where Inductor's errors surface."""
+    made = []
 
-    def no_compiler(fn, **kw):
+    def compiler(fn, options):
+        made.append(fn)
+        if len(made) == 1:
+            return fn
+
         def call(*args):
             raise RuntimeError("InductorError: no C++ compiler (test)")
         return call
 
-    monkeypatch.setattr(torch, "compile", no_compiler)
+    return compiler
+
+
+def test_a_failed_compile_keeps_warm_jobs_batched(ck):
+    """A job made warm by a fused call, then a compile of another job fails (the family turns
+    off for the session): "auto" takes batched again for both, the reason in the plan; the
+    failed call's table is still the reference's (batched)."""
+    s = Session(compiler=_compiles_once())
+    stored_vs_recipes(ck, ["mxfp4:rceil"], progress=False, device="cpu", path="fused", session=s)
+    p, _ = _auto(lambda s: stored_vs_recipes(ck, ["mxfp4:rceil"], progress=False, device="cpu",
+                                             session=s), s)
+    assert p.path == "fused", p
     ref = stored_vs_recipes(ck, ["mxfp4:transformers"], progress=False, device="cpu",
                             path="batched")
     got = stored_vs_recipes(ck, ["mxfp4:transformers"], progress=False, device="cpu",
-                            path="fused")  # ties away: a graph not compiled yet
-    assert fused._BROKEN and "no C++ compiler" in fused._BROKEN[0]
+                            path="fused", session=s)  # ties away: a graph not compiled yet
+    assert "no C++ compiler" in s.broken["fused"]
     assert got.experts.drop(columns=FROM_SUMS).equals(ref.experts.drop(columns=FROM_SUMS))
-    for recipe, why in (("mxfp4:rceil", "compiling failed earlier in this process"),
+    for recipe, why in (("mxfp4:rceil", "compiling failed earlier in this session"),
                         ("mxfp4:transformers", "no compile")):  # the second: never warm
-        said, _ = _auto(caplog, lambda r=recipe: stored_vs_recipes(ck, [r], progress=False,
-                                                          device="cpu"))
-        assert said.startswith("stored grid vs recipes: batched path on cpu"), (recipe, said)
-        assert why in said, (recipe, said)
+        p, _ = _auto(lambda s, r=recipe: stored_vs_recipes(ck, [r], progress=False,
+                                                           device="cpu", session=s), s)
+        assert p.path == "batched" and why in p.why, (recipe, p)
+    # a plan made now routes no stack to a closed form, and says why
+    p = analysis.plan("stored_vs_recipes", ck, ["mxfp4:rceil"], path="fused", device="cpu",
+                      session=s)
+    assert p.passes("mxfp4", "mxfp4:rceil") == ("batched",)
+    assert "compiling failed earlier in this session" in str(p)
 
 
 def test_a_job_is_known_by_the_units_its_graphs_are_keyed_by():
@@ -131,19 +137,20 @@ def test_a_job_is_known_by_the_units_its_graphs_are_keyed_by():
     cpu = torch.device("cpu")
     a, b = ("mxfp4", "even", (64, 128)), ("mxfp4", "even", (128, 64))
     n = 64 * 128
-    units = paths.job_units("q", cpu, [a, a, b], [n] * 3, ["mxfp4:rceil"])
+    units = plans.job_units("q", cpu, [a, a, b], [n] * 3, ["mxfp4:rceil"])
     assert units == {("q", "cpu", a, False, "mxfp4:rceil"), ("q", "cpu", b, True, "mxfp4:rceil")}
-    assert units == paths.job_units("q", cpu, [b, a, a, a], [n] * 4, ["mxfp4:rceil"])
-    assert paths.job_units("q", cpu, [a, b], [n] * 2, ["mxfp4:rceil"]) != units
+    assert units == plans.job_units("q", cpu, [b, a, a, a], [n] * 4, ["mxfp4:rceil"])
+    assert plans.job_units("q", cpu, [a, b], [n] * 2, ["mxfp4:rceil"]) != units
     big = 1 << 20  # two of these fill a CPU stack: stacks of 2, 2, 1
-    assert {u[3] for u in paths.job_units("q", cpu, [a] * 5, [big] * 5)} == {False, True}
-    two = paths.job_units("q", cpu, [a, a, b], [n] * 3, ["mxfp4:rceil", "mxfp4:floor"])
+    assert {u[3] for u in plans.job_units("q", cpu, [a] * 5, [big] * 5)} == {False, True}
+    two = plans.job_units("q", cpu, [a, a, b], [n] * 3, ["mxfp4:rceil", "mxfp4:floor"])
     assert units < two
-    assert not units & paths.job_units("r", cpu, [a, a, b], [n] * 3, ["mxfp4:rceil"])
-    graphs._WARM.clear()
-    try:
-        assert not graphs.warm(units) and not graphs.warm(frozenset())
-        assert graphs.note_fused_job(two, graphs.GRAPH_CALLS[0] - 1, None)
-        assert graphs.warm(units) and graphs.warm(two)
-    finally:
-        graphs._WARM.clear()
+    assert not units & plans.job_units("r", cpu, [a, a, b], [n] * 3, ["mxfp4:rceil"])
+    s = Session(compiler=eager)
+    assert not s.warm(units) and not s.warm(frozenset())
+    assert not s.note_job(two, s.calls)  # no graph call since: nothing recorded
+    s.calls += 1
+    assert s.note_job(two, s.calls - 1)
+    assert s.warm(units) and s.warm(two)
+    s.broken["compiled"] = "RuntimeError: test"
+    assert not s.note_job(frozenset({("q", "cpu", b, False, None)}), s.calls - 1)

@@ -116,22 +116,25 @@ def test_one_layer_costs_that_layer_and_matches_the_local_table(ckpt):
 
 
 @pytest.mark.parametrize("reader", ["window", "preadv", "safetensors"])
-def test_every_reader_fetches_only_the_layer(ckpt, monkeypatch, reader):
-    """Whatever stack reader is asked for, a remote checkpoint's reads are the tensors' own
+def test_every_reader_fetches_only_the_layer(ckpt, reader):
+    """Whatever stack reader a plan asks for, a remote checkpoint's reads are the tensors' own
     ranges (the window reader, which reads through the bytes between tensors, is not used)."""
-    from workbench.analysis import fast
+    from workbench import analysis
 
-    monkeypatch.setattr(fast, "READER", reader)
     sel = Selection.of(layers="29-30", experts="1-2")  # two runs with other tensors between
     wanted = sum(expected_bytes(ckpt, f"model.layers.{L}.mlp.experts.{e}.")[0]
                  for L in (29, 30) for e in (1, 2))
     _, _, meta = expected_bytes(ckpt, "-")
     with RangeServer(ckpt) as srv:
         ck = open_checkpoint(srv.url, remote=opts())
-        got = inspect_checkpoint(ck, select=sel, device="cpu", progress=False).tables
+        plan = analysis.plan("candidate_errors", ck, ["nvfp4"], select=sel, device="cpu",
+                             path="batched", reader=reader)
+        assert plan.reads.reader == ("safetensors" if reader == "safetensors" else "preadv")
+        got = candidate_errors(ck, ["nvfp4"], select=sel, plan=plan, progress=False)
         assert srv.log.served == wanted + meta
-    want = inspect_checkpoint(open_checkpoint(ckpt), select=sel, device="cpu", progress=False)
-    assert got.experts.to_csv() == want.tables.experts.to_csv()
+    want = candidate_errors(open_checkpoint(ckpt), ["nvfp4"], select=sel, device="cpu",
+                            progress=False)
+    assert got.experts.to_csv() == want.experts.to_csv()
 
 
 def test_selection_of_layers_and_experts_reads_only_those(ckpt):

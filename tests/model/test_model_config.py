@@ -17,7 +17,8 @@ def test_presets_block_reduction_dims_and_build_on_meta(name):
     # Every expert GEMM reduces over hidden (w1, w3) or expert FFN (w2): whole MX/NVFP4 blocks.
     assert cfg.hidden_size % 32 == 0 and cfg.expert_ffn % 32 == 0
     model = MoEForCausalLM(cfg, device="meta")  # the GPU-sized presets cost nothing here
-    w1 = model.model.layers[0].mlp.experts.w1
+    first_moe = next(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
+    w1 = model.model.layers[first_moe].mlp.experts.w1
     assert tuple(w1.shape) == (cfg.num_experts, cfg.expert_ffn, cfg.hidden_size)
 
 
@@ -66,9 +67,10 @@ def test_from_hf_config_rejects_what_the_model_cannot_run():
     base = to_hf_config(tiny()).to_dict()
     with pytest.raises(ValueError, match="sliding"):
         from_hf_config({**base, "use_sliding_window": True})
-    with pytest.raises(ValueError, match="rope_type"):
-        from_hf_config({**base, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
-                                                    "rope_theta": 1e6}})
+    with pytest.raises(ValueError, match="rope_type 'llama3'"):
+        from_hf_config({**base, "rope_parameters": {
+            "rope_type": "llama3", "factor": 8.0, "rope_theta": 1e6, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})
     with pytest.raises(ValueError, match="qwen3_moe"):
         from_hf_config(transformers.LlamaConfig().to_dict())
     with pytest.raises(ValueError, match="shared expert"):
@@ -114,3 +116,19 @@ def test_register_preset_adds_and_refuses():
     finally:
         arch.PRESETS.pop(name, None)
     assert arch.PRESETS["tiny"] is arch.tiny
+
+
+def test_arch_and_its_presets_import_without_torch():
+    """The launcher reads presets and their blocks from workbench.arch without loading torch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, workbench.arch as a\n"
+            "cfgs = [a.preset(n) for n in a.PRESETS]\n"
+            "assert cfgs[0].replace(num_layers=3).num_layers == 3\n"
+            "assert 'torch' not in sys.modules, 'workbench.arch imported torch'\n")
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]

@@ -70,10 +70,13 @@ def test_absent_fields_take_transformers_defaults():
 
 
 @pytest.mark.parametrize("raw, named", [
-    ({**QWEN3_30B_A3B, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"},
-     "DeepseekV3ForCausalLM"),
+    ({**QWEN3_30B_A3B, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral"},
+     "MixtralForCausalLM"),
     ({"model_type": "llama", "vocab_size": 8}, "model_type='llama'"),
-    ({**QWEN3_30B_A3B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({**QWEN3_30B_A3B, "architectures": ["DeepseekV3ForCausalLM"]}, "model_type 'qwen3_moe'"),
+    ({**QWEN3_30B_A3B, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "dynamic"),
+    ({**QWEN3_30B_A3B, "hidden_act": "gelu"}, "hidden_act"),
+    ({**QWEN3_30B_A3B, "hidden_size": "2048"}, "hidden_size"),
 ])
 def test_unsupported_architecture_is_named(tmp_path, raw, named):
     (tmp_path / "config.json").write_text(json.dumps(raw))

@@ -41,7 +41,7 @@ ALL = {
     "kd_temperature": 2.0, "kd_weight": 0.5, "ce_weight": 0.25, "wandb": "disabled",
     "run_group": "g", "project": "p", "run_name": "-n", "deterministic": False,
     "activation_checkpointing": "selective", "compile": True, "ep": 2, "fsdp": True, "expert_stats_every": 3,
-    "dist_timeout": 2.5, "allow_config_change": ("steps", "lr"),
+    "dist_timeout": 2.5, "allow_config_change": ("steps", "lr"), "router_bias_update": 0.001,
 }
 # What a field needs beside it to be valid on its own.
 NEEDS = {"profile": {"recipe": "mxfp4"}, "export": {"recipe": "mxfp4"},
@@ -120,7 +120,7 @@ def test_resume_rules_come_from_the_declarations():
     ({"wandb": "on"}, "TrainConfig.wandb must be one of ('offline', 'online', 'disabled')"),
     ({"ep": True}, "TrainConfig.ep must be a positive int or None"),
     ({"data": ("",)}, "TrainConfig.data must be a tuple of non-empty strings"),
-    ({"export": "gguf"}, "TrainConfig.export must be one of ('compressed-tensors', 'bf16') or None"),
+    ({"export": "gguf"}, "TrainConfig.export must be one of ('compressed-tensors', 'bf16', 'gpt-oss') or None"),
     ({"preset": "nosuch"}, "unknown preset 'nosuch'"),
 ])
 def test_field_checks_name_the_field_and_flag(bad, words):

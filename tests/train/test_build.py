@@ -10,9 +10,10 @@ import torch
 from conftest import TINY
 
 from workbench.model import MoEForCausalLM, tiny
+from workbench.model.pretrained import materialize
 from workbench.train import distributed
 from workbench.train.args import config_from_args
-from workbench.train.build import build, materialize_
+from workbench.train.build import build
 
 
 def _no_draw(self, seed=0):
@@ -52,7 +53,7 @@ def test_fresh_build_still_draws_the_seeded_init(tmp_path):
 def test_materialize_matches_the_constructor(tied):
     mcfg = dataclasses.replace(tiny(), tie_embeddings=tied)
     ref = MoEForCausalLM(mcfg, seed=1)
-    model = materialize_(MoEForCausalLM(mcfg, seed=9, device="meta"), torch.device("cpu"))
+    model = materialize(MoEForCausalLM(mcfg, seed=9, device="meta"), torch.device("cpu"))
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     model.load_state_dict(ref.state_dict(), strict=True)
     ids = torch.randint(0, mcfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -83,3 +84,20 @@ def test_compiled_layers_train_like_the_eager_ones(tmp_path):
                                for s in range(1, 4)]
         assert params == {id(p) for p in b.model.parameters()}
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-4, atol=1e-5)
+
+
+def test_a_run_as_long_as_the_model_allows_trains(tmp_path):
+    """--seq equal to the model's max_seq_len: each batch row holds seq + 1 tokens (the last one
+    only a label), so the model is built to take them."""
+    from workbench.train.build import model_config
+    from workbench.train.data import load_corpus
+    from workbench.train.loop import train_step
+
+    seq = tiny().max_seq_len
+    cfg = config_from_args([*TINY, "--seq", str(seq), "--batch", "2",
+                            "--out", str(tmp_path / "r")])
+    assert model_config(cfg).max_seq_len == seq + 1
+    info = distributed.setup()
+    b = build(cfg, info)
+    rec = train_step(b.model, b.opt, b.sched, load_corpus().train, cfg, info, 1)
+    assert rec["loss"] > 0

@@ -62,25 +62,6 @@ def quantize_stack(w_ENK: torch.Tensor, recipe: Recipe) -> QuantizedTensor:
                            tuple(w_ENK.shape), parts.library_global)
 
 
-def per_expert(xs: list[torch.Tensor | None]) -> torch.Tensor | None:
-    """Per-member NVFP4 globals (scalars, or None for formats without one) as the ``[E, 1, 1]``
-    tensor a stacked grid carries."""
-    return None if xs[0] is None else torch.stack([x.reshape(()) for x in xs]).reshape(-1, 1, 1)
-
-
-def stack_grids(grids: list[QuantizedTensor]) -> QuantizedTensor:
-    """Stored grids of one format, profile and shape as one ``[E, ...]`` grid (NVFP4 globals
-    become ``[E, 1, 1]``, one per expert, which the codecs accept)."""
-    g0 = grids[0]
-    if any((g.fmt, g.profile, g.shape) != (g0.fmt, g0.profile, g0.shape) for g in grids):
-        raise ValueError("stack_grids needs grids of one format, profile and shape")
-
-    return QuantizedTensor(g0.fmt, g0.profile, torch.stack([g.data for g in grids]),
-                           torch.stack([g.scale for g in grids]),
-                           per_expert([g.global_scale for g in grids]), (len(grids), *g0.shape),
-                           per_expert([g.library_global for g in grids]))
-
-
 def _count_ratios(mask_EM: torch.Tensor) -> list[float]:
     # per expert, the reference's ``metrics.count_ratio``: an exact integer count over n (an fp32
     # mean would depend on the device's reduction and division: CUDA multiplies by 1/n)

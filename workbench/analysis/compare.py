@@ -36,6 +36,7 @@ from workbench.checkpoint.grid import stored_grid
 from workbench.formats import dequantize, parse_recipe, quantize
 
 from .metrics import error_metrics, scale_exponents
+from .session import Session
 from .tables import (
     ErrorTables,
     ExpertDetail,
@@ -136,12 +137,13 @@ def check_same_architecture(named: list[tuple[str, object]]) -> None:
                     f"{list(ra[k])} in {first_name} but {list(rb[k])} in {name}")
 
 
-def side_errors(side: Side, *, kinds, device, progress, select=None) -> ErrorTables:
+def side_errors(side: Side, *, kinds, device, progress, select=None,
+                session=None) -> ErrorTables:
     if side.recipe is not None:
         return candidate_errors(side.reference, [side.recipe], kinds=kinds, device=device,
-                                progress=progress, select=select)
+                                progress=progress, select=select, session=session)
     return reference_errors(side.checkpoint, side.reference, kinds=kinds, device=device,
-                            progress=progress, select=select)
+                            progress=progress, select=select, session=session)
 
 
 @dataclass
@@ -249,8 +251,11 @@ def compare(a, b, reference=None, *, metric: str = "rel_err", tol_pct: float = 1
              (f"B ({sb.label})", sb.checkpoint or sb.reference),
              ("A's reference", sa.reference), ("B's reference", sb.reference)]
     check_same_architecture(named)
-    ta = side_errors(sa, kinds=kinds, device=device, progress=progress, select=select)
-    tb = side_errors(sb, kinds=kinds, device=device, progress=progress, select=select)
+    session = Session()  # B's side finds the graphs A's compiled
+    ta = side_errors(sa, kinds=kinds, device=device, progress=progress, select=select,
+                     session=session)
+    tb = side_errors(sb, kinds=kinds, device=device, progress=progress, select=select,
+                     session=session)
     sides = {"A": sa.checkpoint or sa.reference, "B": sb.checkpoint or sb.reference}
     if ref is not None:
         sides["reference"] = ref

@@ -26,14 +26,14 @@ against the eager codec for every profile of every format, on edge inputs too. S
 What stays outside: weights stored in a codec ``workbench.formats`` does not model (FP8 block,
 INT4; read dense), NaN/inf weights (the reference's data-dependent special-block branches are
 exact in ``_dense`` form too, but they are not tested against it here: such stacks go batched),
-CUDA tensors, and a failed compile (no C++ compiler...): the batched path, with the reason
-logged once. Whether this pass is tried at all is ``paths.choose_path``'s decision.
+CUDA tensors, and a failed compile (no C++ compiler...): the batched path, with the reason said
+once per session. Whether this pass is tried at all, and for which (stored format, recipe)
+pairs, is the plan's route (``plans.plan``).
 """
 
 from __future__ import annotations
 
 import logging
-import types
 from dataclasses import dataclass
 
 import torch
@@ -41,23 +41,17 @@ import torch
 from workbench.formats import QuantizedTensor, Recipe, dequantize, format_spec
 from workbench.formats.mx_profiles import PROFILES as MX_PROFILES
 
-from . import batched, graphs
+from . import batched
 from .metrics import at_max_code, count_ratio, metrics_from_sums
+from .session import Session, Unavailable
 
 _log = logging.getLogger(__name__)
-_COMPILED: dict[tuple, object] = {}
-COMPILE_SECONDS: dict[tuple, float] = {}  # first call (trace + compile or cache load) per graph
-_BROKEN: list[str] = []  # why compiling failed in this process; from then on: batched
-_LOGGED: set[str] = set()
 
 
-def log_choice(what: str, why: str | None) -> None:
-    """Say once per (what, reason) whether the compiled pass serves it."""
-    text = f"{what}: compiled CPU pass (torch.compile)" if why is None else \
-        f"{what}: batched path ({why})"
-    if text not in _LOGGED:
-        _LOGGED.add(text)
-        _log.info(text)
+def say(session: Session, what: str, why: str | None) -> None:
+    """Say once per session whether the compiled pass serves ``what``."""
+    session.say(_log, f"{what}: compiled CPU pass (torch.compile)" if why is None else
+                f"{what}: batched path ({why})")
 
 
 # Where the compiled pass beats the batched one, as (question kind, stored format or None for
@@ -68,16 +62,10 @@ def log_choice(what: str, why: str | None) -> None:
 # NVFP4 grid -> nvfp4 71 vs 53, MXFP8 grid -> mxfp8 52 vs 30): the E8M0 tables are rebuilt per
 # element (``std::ldexp`` in double, from ``mx._lut``'s in-graph form), the packed-FP4 pair table
 # is an unvectorised gather, and uint8 bit ops stay scalar. Those keep the batched path
-# (MXFP4 grid under an MXFP4 recipe: fused.py's closed form) unless ``EVERYWHERE`` is set
-# (the tests set it, so every graph is checked against the reference).
-FASTER = {("recipe", None, "nvfp4"), ("recipe", None, "mxfp8_e4m3"), ("reference", "nvfp4", None)}
-EVERYWHERE = False
-
-
-def preferred(kind: str, stored_fmt: str | None, recipe_fmt: str | None) -> bool:
-    """Whether the compiled pass is the faster one for this (question kind, stored format,
-    recipe format); see ``FASTER``."""
-    return EVERYWHERE or (kind, stored_fmt, recipe_fmt) in FASTER
+# (MXFP4 grid under an MXFP4 recipe: fused.py's closed form) unless a plan asks for the compiled
+# pass everywhere (``plans.plan(compiled="all")``: the tests check every graph that way).
+FASTER = frozenset({("recipe", None, "nvfp4"), ("recipe", None, "mxfp8_e4m3"),
+                    ("reference", "nvfp4", None)})
 
 
 def recipe_reason(recipe: Recipe) -> str | None:
@@ -88,19 +76,6 @@ def recipe_reason(recipe: Recipe) -> str | None:
     if recipe.fmt.startswith("mxfp8") and MX_PROFILES[recipe.profile].sign == "negative":
         return "compressed-tensors MXFP8 sign rule (compiled counts differ from eager)"
     return None
-
-
-def static_reason(device: torch.device) -> str | None:
-    """Why the compiled passes cannot run on ``device`` at all (None: they can)."""
-    if _BROKEN:
-        return f"compiling failed earlier ({_BROKEN[0]})"
-    if device.type != "cpu":
-        return f"{device.type} tensors (the batched path runs there)"
-    return None
-
-
-class _Unavailable(Exception):
-    """Compiling failed: the caller takes the batched path."""
 
 
 def _grid_key(q: QuantizedTensor | None) -> tuple | None:
@@ -179,24 +154,12 @@ def _decode_graph(skey: tuple):
     return analyse
 
 
-def _own_code(fn):
-    """``fn`` with a code object of its own. Dynamo keeps its compiled graphs on the code object
-    and allows ``recompile_limit`` (8) per code object: every closure of ``_recipe_graph`` shares
-    one, so the ninth (recipe, codec, shape) would fail. One code object per key: one graph each."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
-                              fn.__defaults__, fn.__closure__)
-
-
-def _run(key: tuple, build, args: list) -> tuple:
+def _run(session: Session, key: tuple, build, args: list) -> tuple:
     # emulate_precision_casts: a ``.to(bfloat16)`` inside the graph rounds, as in eager.
     # Without it Inductor keeps the fp32 value of an NVFP4 decode (x * s / g is no bf16
     # number) and the re-quantized weights are not the decoded checkpoint's.
-    fn = graphs.compiled(_COMPILED, key, lambda: _own_code(build()),
-                         emulate_precision_casts=True)
-    graphs.mark_leading_dynamic(args)  # one graph for any number of experts
-    return graphs.first_call_timed(fn, args, key, COMPILE_SECONDS, _BROKEN,
-                                   what="compiled analysis", label=key[:3],
-                                   unavailable=_Unavailable, log=_log)
+    return session.run("compiled", key, build, args, label=key[:3], log=_log,
+                       options={"emulate_precision_casts": True})
 
 
 def finite_reason(w: torch.Tensor | None, stored: QuantizedTensor | None) -> str | None:
@@ -254,11 +217,12 @@ def _histograms(scale: torch.Tensor, gs: torch.Tensor | None, recipe: Recipe, sh
     return batched.stack_histograms(q)
 
 
-def recipe_rows(w: torch.Tensor | None, stored: QuantizedTensor | None, recipe: Recipe,
-                compare: bool = True) -> list[Row] | None:
+def recipe_rows(session: Session, w: torch.Tensor | None, stored: QuantizedTensor | None,
+                recipe: Recipe, compare: bool = True) -> list[Row] | None:
     """Per expert of the stack (BF16 ``w`` [E, N, K], or the stacked stored grid decoded in the
     graph): the reference's row and histogram for ``recipe``, with the mismatch columns when the
-    recipe has the stored grid's format and block layout. None when compiling fails (logged)."""
+    recipe has the stored grid's format and block layout, from a graph of ``session``. None when
+    compiling fails (logged)."""
     E = (w if w is not None else stored.data).shape[0]
     shape = tuple(w.shape) if w is not None else stored.shape
     spec = format_spec(recipe.fmt)
@@ -270,9 +234,9 @@ def recipe_rows(w: torch.Tensor | None, stored: QuantizedTensor | None, recipe: 
     key = ("recipe", str(recipe), skey, None if w is None else (tuple(w.shape[1:]), w.dtype),
            mismatch)
     try:
-        scale, gs, parts = _run(key, lambda: _recipe_graph(recipe, skey, mismatch),
+        scale, gs, parts = _run(session, key, lambda: _recipe_graph(recipe, skey, mismatch),
                                 _args(None if stored is not None else w, stored))
-    except _Unavailable:
+    except Unavailable:
         return None
     n = shape[1] * k
     codes = shape[1] * kp
@@ -291,14 +255,15 @@ def recipe_rows(w: torch.Tensor | None, stored: QuantizedTensor | None, recipe: 
     return [Row(m, h) for m, h in zip(ms, hs)]
 
 
-def reference_rows(w: torch.Tensor, stored: QuantizedTensor) -> list[dict] | None:
+def reference_rows(session: Session, w: torch.Tensor, stored: QuantizedTensor
+                   ) -> list[dict] | None:
     """Per expert: the reference's metrics of the stored grid (decoded in the graph) against the
     BF16 reference stack ``w``. None when compiling fails (logged)."""
     E, shape = w.shape[0], tuple(w.shape)
     skey = _grid_key(stored)
     key = ("reference", skey, tuple(w.shape[1:]), w.dtype)
     try:
-        _, _, parts = _run(key, lambda: _decode_graph(skey), _args(w, stored))
-    except _Unavailable:
+        _, _, parts = _run(session, key, lambda: _decode_graph(skey), _args(w, stored))
+    except Unavailable:
         return None
     return _rows(parts, shape[1] * shape[2], shape[1] * stored.padded_k, E)

@@ -28,76 +28,37 @@ recipe); ``static_reason``, ``grid_reason`` and ``stored_vs_recipe`` here dispat
 their docstrings say why their numbers equal the reference's.
 
 Anything else takes the compiled passes of ``compiled.py`` (or the batched path, ``batched.py``),
-with the reason logged once: a grid under a recipe of another format, tie rules without a closed
-form here, bytes outside ``SAFE_BYTES``, padded K, CUDA tensors, or a failed compile (no C++
-compiler...). Whether this pass is tried at all is
-``paths.choose_path``'s decision ("fused", the CPU default for large jobs). Compiling costs
-seconds once per process and tie rule (logged); Inductor caches the C++ on disk across runs.
+with the reason said once per session: a grid under a recipe of another format, tie rules
+without a closed form here, bytes outside ``SAFE_BYTES``, padded K, CUDA tensors, or a failed
+compile (no C++ compiler...). Whether this pass is tried at all is the plan's route (``plans.plan``: path
+"fused", the CPU default for large jobs). Compiling costs seconds once per ``Session`` and tie
+rule (logged); Inductor caches the C++ on disk across runs.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import threading
-from dataclasses import dataclass
 
 import torch
 
 from workbench.formats import QuantizedTensor, Recipe, format_spec
 from workbench.formats.mx_profiles import PROFILES, cached_lut, scale_byte
 
-# fused_fp8 / fused_nvfp4 use this module's helpers (run_graph, pack_blocks, round_e2m1) and
-# this module dispatches to them: a cycle, which works at module top because neither side
-# touches the other's names until a call
-from . import fused_fp8, fused_nvfp4, graphs
-from .metrics import count_ratio, e8m0_exponents, metrics_from_sums
+from . import fused_fp8, fused_nvfp4
+from .fused_common import FusedResult, count_ratios, mag_e2m1, pack_blocks, round_e2m1
+from .metrics import metrics_from_sums
+from .session import Session, Unavailable
 
 _log = logging.getLogger(__name__)
 SAFE_BYTES = (77, 177)
 CHUNK = 256  # blocks per partial sum: 4096 elements per nibble half, fp32 counts stay exact
 BATCH_BLOCKS = 1 << 18  # blocks per compiled call (~8M elements): amortises call overhead
-# A process's first fused call pays ~3 s of torch.compile imports and set-up plus the compile:
-# ~4 s more with Inductor's disk cache warm, ~20 s into an empty cache (measured on 2 cores by
-# jobs/bench_analysis.py); paths.COMPILE_ELEMENTS is where "auto" starts to take it.
+# A first fused call pays ~3 s of torch.compile imports and set-up plus the compile: ~4 s more
+# with Inductor's disk cache warm, ~20 s into an empty cache (jobs/bench_analysis.py measures
+# it); plans.COMPILE_ELEMENTS is where "auto" starts to take it.
 TIES = ("even", "away", "down")
 _MAGS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_COMPILED: dict[str, object] = {}
-COMPILE_SECONDS: dict[str, float] = {}  # first call (trace + compile, or disk-cache load) per tie rule
-_BROKEN: list[str] = []  # why compiling failed in this process; from then on: batched
-_LOGGED: set[str] = set()
-
-
-def log_choice(recipe: str, why: str | None) -> None:
-    """Say once per (recipe, path, reason) whether the compiled pass serves a recipe."""
-    text = (f"stored grid vs {recipe}: fused CPU path (torch.compile)" if why is None else
-            f"stored grid vs {recipe}: batched path ({why})")
-    if text not in _LOGGED:
-        _LOGGED.add(text)
-        _log.info(text)
-
-
-def _mag(c: torch.Tensor) -> torch.Tensor:
-    """E2M1 magnitude of fp32 codes 0..7 (0, .5, 1, 1.5 | 2, 3 | 4, 6) by arithmetic: Inductor
-    turns a table lookup into a scalar loop."""
-    return torch.where(c < 4, c * 0.5, torch.where(c < 6, c - 2, c * 2 - 8))
-
-
-def _rint(x: torch.Tensor, ties: str) -> torch.Tensor:
-    if ties == "even":
-        return torch.round(x)  # half to even
-    if ties == "away":
-        return torch.floor(x + 0.5)  # x >= 0; exact for BF16-exact x below 2^16
-    return torch.ceil(x - 0.5)
-
-
-def round_e2m1(x: torch.Tensor, ties: str = "even") -> torch.Tensor:
-    """E2M1 magnitude nearest to BF16-exact ``x`` >= 0, saturating at 6: the grid steps by 0.5
-    below 2, by 1 below 4 and by 2 above, so each binade rounds to an integer multiple of its
-    step, ties as ``elements.e2m1_magnitude_code`` sends them."""
-    return torch.where(x < 2, _rint(x * 2, ties) * 0.5,
-                       torch.where(x < 4, _rint(x, ties),
-                                   torch.clamp_max(_rint(x * 0.5, ties) * 2, 6.0)))
 
 
 @functools.lru_cache(maxsize=32)
@@ -122,10 +83,10 @@ def _fused(ties: str):
         cmax = torch.maximum(data & 7, (data >> 4) & 7).to(torch.float32).amax(-1)
         idx = cmax.long() * 256 + sbyte.long()
         byte, s, sm, r = t_byte[idx], t_s[idx], t_sm[idx], t_r[idx]
-        out = [(_mag(cmax) * s).amax(-1), (byte != sbyte).float().sum(-1)]
+        out = [(mag_e2m1(cmax) * s).amax(-1), (byte != sbyte).float().sum(-1)]
         s_, sm_, r_ = s.unsqueeze(-1), sm.unsqueeze(-1), r.unsqueeze(-1)
         for c in (data & 7, (data >> 4) & 7):  # low, high nibble (sign bits are not needed)
-            m = _mag(c.to(torch.float32))
+            m = mag_e2m1(c.to(torch.float32))
             w, x = m * s_, m * sm_
             mq = round_e2m1(x, ties)
             deq = mq * r_
@@ -141,89 +102,16 @@ def _fused(ties: str):
     return analyse
 
 
-class _Unavailable(Exception):
-    """Compiling failed (no C++ compiler, an Inductor error): the caller takes the batched path."""
-
-
-def _run(ties: str, *args):
-    fn = graphs.compiled(_COMPILED, ties, lambda: _fused(ties))
-    graphs.mark_leading_dynamic(args[:2])  # one graph for any number of chunks
-    return graphs.first_call_timed(fn, args, ties, COMPILE_SECONDS, _BROKEN,
-                                   what="fused analysis", label=f"(ties {ties})",
-                                   unavailable=_Unavailable, log=_log)
-
-
-# Inductor stores a pointwise result to memory (and re-reads it in one loop per reduction) once
-# its expression exceeds ~50 ops or a few readers: the closed forms are one loop only when every
-# element value stays in registers (10x faster, measured)
-_ONE_LOOP = {"realize_opcount_threshold": 1 << 20, "realize_reads_threshold": 1 << 20,
-             "realize_acc_reads_threshold": 1 << 20}
-
-
-def run_graph(key: tuple, build, args: list, *, bf16_casts: bool = False):
-    """``build()`` compiled once per ``key`` and called on ``args`` (the first dim of each
-    argument dynamic), for the closed forms of the other formats (``fused_fp8``,
-    ``fused_nvfp4``); a failed compile raises ``_Unavailable`` and turns every fused pass off
-    for the process. ``bf16_casts``: a ``.to(bfloat16)`` in the graph rounds, as in eager
-    (Inductor's ``emulate_precision_casts``)."""
-    opts = {**_ONE_LOOP, **({"emulate_precision_casts": True} if bf16_casts else {})}
-    fn = graphs.compiled(_COMPILED, key, build, **opts)
-    graphs.mark_leading_dynamic(args)
-    return graphs.first_call_timed(fn, args, key, COMPILE_SECONDS, _BROKEN,
-                                   what="fused analysis", label=key,
-                                   unavailable=_Unavailable, log=_log)
-
-
-def pack_blocks(grids: list[QuantizedTensor], width: int, chunk: int, pad_byte: int, *,
-                transpose: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-    """The grids' element bytes ``[chunks, chunk, width]`` (``transpose``: ``[chunks, width,
-    chunk]``, blocks in the vector lanes) and scale bytes ``[chunks, chunk]`` in one reused
-    per-thread buffer, each grid in whole chunks, at least two chunks (dynamo specialises a dim
-    of size 1). Padding blocks are all-zero codes under ``pad_byte``. Returns (data, scale
-    bytes, blocks per grid, chunks per grid)."""
-    nblk = [g.scale.numel() for g in grids]
-    chunks = [-(-n // chunk) for n in nblk]
-    total = max(sum(chunks), 2)
-    key = (width, chunk, transpose)
-    bufs = getattr(_LOCAL, "blocks", None)
-    if bufs is None:
-        bufs = _LOCAL.blocks = {}
-    have = bufs.get(key)
-    if have is None or have[1].shape[0] < total:
-        shape = (total, width, chunk) if transpose else (total, chunk, width)
-        bufs[key] = have = (torch.empty(shape, dtype=torch.uint8),
-                            torch.empty(total, chunk, dtype=torch.uint8))
-    data, sbyte = have[0][:total], have[1][:total]
-    flat_s = sbyte.view(-1)
-    c0 = 0
-    for g, n, c in zip(grids, nblk, chunks):
-        src = g.data.view(torch.uint8).reshape(n, width)
-        a = c0 * chunk
-        flat_s[a:a + n] = g.scale.view(torch.uint8).reshape(n)
-        flat_s[a + n:a + c * chunk] = pad_byte
-        if transpose:
-            full = n // chunk
-            dst = data[c0:c0 + c]
-            dst[:full].copy_(src[:full * chunk].view(full, chunk, width).transpose(1, 2))
-            if full < c:
-                dst[full].zero_()
-                dst[full, :, :n - full * chunk].copy_(src[full * chunk:].T)
-        else:
-            flat = data.view(-1, width)
-            flat[a:a + n] = src
-            flat[a + n:a + c * chunk] = 0
-        c0 += c
-    data[c0:] = 0
-    sbyte[c0:] = pad_byte
-    return data, sbyte, nblk, chunks
+def _run(session: Session, ties: str, *args):
+    # the tables are the same size on every call: only the chunk dims are dynamic
+    return session.run("fused", ties, lambda: _fused(ties), args, label=f"(ties {ties})",
+                       log=_log, dynamic_args=args[:2])
 
 
 def static_reason(recipe: Recipe, device: torch.device) -> str | None:
-    """Why the fused pass does not serve ``recipe`` on ``device`` (None: it does). Whether the
-    fused path is taken at all is ``paths.choose_path``'s decision."""
-    if _BROKEN:
-        return f"compiling failed earlier ({_BROKEN[0]})"
+    """Why no closed form serves ``recipe`` on ``device`` (None: one does, for grids of the
+    recipe's own format). Whether the fused path is taken at all is the plan's decision
+    (``plans.plan``)."""
     if device.type != "cpu":
         return f"{device.type} tensors (the batched path runs there)"
     if recipe.fmt.startswith("mxfp8"):
@@ -270,73 +158,28 @@ def grid_reason(stored: QuantizedTensor, recipe: Recipe | None = None) -> str | 
     return None
 
 
-@dataclass(frozen=True)
-class FusedResult:
-    metrics: dict[str, float]  # error_metrics + grid_mismatch keys, as the reference
-    byte_counts: torch.Tensor | None  # [256] int64: blocks per recipe E8M0 byte (MX formats)
-    exponents: list[tuple[int, int]] | None = None  # NVFP4: (scale exponent, blocks) ascending
-
-    def histogram(self) -> list[tuple[int, int]]:
-        """(exponent, blocks) ascending, as ``metrics.scale_exponents`` + ``torch.unique``."""
-        if self.exponents is not None:
-            return self.exponents
-        present = self.byte_counts.nonzero().flatten()
-        return list(zip(e8m0_exponents(present).tolist(), self.byte_counts[present].tolist()))
-
-
-_LOCAL = threading.local()
-
-
-def _buffers(chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch buffers (codes [chunks, CHUNK, 16], stored bytes [chunks, CHUNK]), grown as needed
-    and kept per thread: fresh ones would cost a page fault per 4 KiB on every call."""
-    have = getattr(_LOCAL, "bufs", None)
-    if have is None or have[1].shape[0] < chunks:
-        _LOCAL.bufs = have = (torch.empty(chunks, CHUNK, 16, dtype=torch.uint8),
-                              torch.empty(chunks, CHUNK, dtype=torch.uint8))
-    return have[0][:chunks], have[1][:chunks]
-
-
-def _ratios(counts: list[float], n: list[int]) -> list[float]:
-    # the reference's metrics.count_ratio: exact integer counts (fp32 sums of at most 4096 ones
-    # per chunk, added in float64) over n
-    return [count_ratio(round(c), m) for c, m in zip(counts, n)]
-
-
-def stored_vs_recipe(grids: list[QuantizedTensor], recipe: Recipe
+def stored_vs_recipe(session: Session, grids: list[QuantizedTensor], recipe: Recipe
                      ) -> list[FusedResult | None] | None:
     """The reference's metrics for each stored grid (``grid_reason`` None, one stored profile)
-    re-quantized with ``recipe``, in one compiled call; None when compiling fails (logged). An
-    entry is None where the closed form refused that grid after reading it (NVFP4: a global
-    scale out of its range; the reason logged): the caller takes another path for it."""
+    re-quantized with ``recipe``, in one compiled call of ``session``; None when compiling fails
+    (logged). An entry is None where the closed form refused that grid after reading it (NVFP4:
+    a global scale out of its range; the reason said): the caller takes another path for it."""
     if recipe.fmt.startswith("mxfp8"):
-        return fused_fp8.stored_vs_recipe(grids, recipe)
+        return fused_fp8.stored_vs_recipe(session, grids, recipe)
     if recipe.fmt == "nvfp4":
-        return fused_nvfp4.stored_vs_recipe(grids, recipe)
+        return fused_nvfp4.stored_vs_recipe(session, grids, recipe)
     if any(g.profile != grids[0].profile for g in grids):
         raise ValueError("one call, one stored profile: the decode table is per profile")
     prof, nw = PROFILES[recipe.profile], len(grids)
-    nblk = [g.scale.numel() for g in grids]
-    chunks = [-(-n // CHUNK) for n in nblk]
-    total = max(sum(chunks), 2)  # dynamo specialises a dim of size 1: never pass one chunk
-    # all grids in one buffer, whole chunks each; padding blocks are all-zero codes under a
-    # safe byte: they add nothing but zero codes and scale mismatches, subtracted below
-    data, sbyte = _buffers(total)
-    flat, flat_s = data.view(-1, 16), sbyte.view(-1)
-    c0 = 0
-    for g, n, c in zip(grids, nblk, chunks):
-        a = c0 * CHUNK
-        flat[a:a + n] = g.data.reshape(n, 16)
-        flat_s[a:a + n] = g.scale.view(torch.uint8).reshape(n)
-        flat[a + n:a + c * CHUNK] = 0
-        flat_s[a + n:a + c * CHUNK] = 127
-        c0 += c
-    data[c0:] = 0
-    sbyte[c0:] = 127
+    # all grids in one buffer, whole chunks each (at least two: dynamo specialises a dim of
+    # size 1); padding blocks are all-zero codes under a safe byte: they add nothing but zero
+    # codes and scale mismatches, subtracted below
+    data, sbyte, nblk, chunks = pack_blocks(session, grids, 16, CHUNK, 127)
+    total, c0 = data.shape[0], sum(chunks)
     try:
-        byte, _, _, _, part = _run(prof.ties, data, sbyte,
+        byte, _, _, _, part = _run(session, prof.ties, data, sbyte,
                                    *block_tables(grids[0].profile, prof.name))
-    except _Unavailable:
+    except Unavailable:
         return None
     part = torch.stack(part).T  # [chunks, 18]: amax, scale mismatches, then 8 per nibble half
     spare = total - c0  # the chunk added to reach two, owned by no weight
@@ -350,8 +193,8 @@ def stored_vs_recipe(grids: list[QuantizedTensor], recipe: Recipe
     elems = [n * 32 for n in nblk]
     sums, maxs = sums.tolist(), maxs.tolist()
     lo_hi = [(s_[2:10], s_[10:18]) for s_ in sums]
-    clip = _ratios([lo[6] + hi[6] for lo, hi in lo_hi[:nw]], elems)
-    smis = _ratios([sums[i][1] - pad[i] for i in range(nw)], nblk)
+    clip = count_ratios([lo[6] + hi[6] for lo, hi in lo_hi[:nw]], elems)
+    smis = count_ratios([sums[i][1] - pad[i] for i in range(nw)], nblk)
     out = []
     for i, (lo, hi) in enumerate(lo_hi[:nw]):
         m = metrics_from_sums(lo[0] + hi[0], lo[1] + hi[1], lo[2] + hi[2], lo[3] + hi[3],

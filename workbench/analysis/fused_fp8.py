@@ -35,22 +35,24 @@ elements, then float64, against the reference's fp32 BLAS dots), as in ``fused.p
 
 All-zero blocks decode to exact zeros under any byte but 255 (NaN there), so only blocks with a
 non-zero code need a safe byte. Grids with NaN (or E5M2 inf) element codes, bytes outside the
-safe range in a live block, or a padded last dimension take the other paths, the reason logged
-once (``fused.log_choice``).
+safe range in a live block, or a padded last dimension take the other paths, the reason said
+once per session.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
 from workbench.formats import QuantizedTensor, Recipe, format_spec
 from workbench.formats.mx_profiles import PROFILES, cached_lut, scale_byte
 
-from . import fused
+from .fused_common import FusedResult, count_ratios, pack_blocks, run_graph, say
 from .metrics import metrics_from_sums
+from .session import Session, Unavailable
 
 SAFE_BYTES = (87, 167)  # 2^-40 .. 2^40: squares of m * S stay fp32 normals for E5M2's 2^-16 too
 CHUNK = 128  # blocks per partial sum: 4096 elements. Longer reductions make Inductor emit its
@@ -80,8 +82,8 @@ class Elem:
         return self.bias - 1 + self.mantissa
 
 
-ELEMS = {"e4m3": Elem(torch.float8_e4m3fn, 3, 7, 0x7F),
-         "e5m2": Elem(torch.float8_e5m2, 2, 15, 0x7C)}
+ELEMS = MappingProxyType({"e4m3": Elem(torch.float8_e4m3fn, 3, 7, 0x7F),
+                          "e5m2": Elem(torch.float8_e5m2, 2, 15, 0x7C)})
 
 
 def mag_fp8(c: torch.Tensor, el: Elem) -> torch.Tensor:
@@ -152,11 +154,6 @@ def graph(fmt: str):
     return analyse
 
 
-def _run(key: tuple, build, args: list):
-    """The hook tests replace to run ``build()`` uncompiled."""
-    return fused.run_graph(key, build, args)
-
-
 def grid_reason(stored: QuantizedTensor) -> str | None:
     """Why one stored MXFP8 grid needs another path (None: this closed form). NaN and inf
     element codes are counted inside the pass instead (one more partial costs less than a
@@ -182,24 +179,25 @@ def grid_reason(stored: QuantizedTensor) -> str | None:
     return None
 
 
-def stored_vs_recipe(grids: list[QuantizedTensor], recipe: Recipe) -> list | None:
+def stored_vs_recipe(session: Session, grids: list[QuantizedTensor], recipe: Recipe
+                     ) -> list | None:
     """The reference's metrics of each stored MXFP8 grid (``grid_reason`` None, one stored
-    profile and format) re-quantized with ``recipe`` (same format), in one compiled call; None
-    when compiling fails (logged)."""
+    profile and format) re-quantized with ``recipe`` (same format), in one compiled call of
+    ``session``; None when compiling fails (logged)."""
     if any((g.profile, g.fmt) != (grids[0].profile, recipe.fmt) for g in grids):
         raise ValueError("one call, one stored profile and format (the recipe's)")
-    data, sbyte, nblk, chunks = fused.pack_blocks(grids, 32, CHUNK, 127)
+    data, sbyte, nblk, chunks = pack_blocks(session, grids, 32, CHUNK, 127)
     tables = block_tables(recipe.fmt, grids[0].profile, recipe.profile)
     try:
-        byte, _, _, _, part = _run(("mxfp8", recipe.fmt), lambda: graph(recipe.fmt),
-                                   [data, sbyte, *tables])
-    except fused._Unavailable:
+        byte, _, _, _, part = run_graph(session, ("mxfp8", recipe.fmt),
+                                        lambda: graph(recipe.fmt), [data, sbyte, *tables])
+    except Unavailable:
         return None
-    return _assemble(torch.stack(part).T, byte.reshape(-1), nblk, chunks, str(recipe))
+    return _assemble(session, torch.stack(part).T, byte.reshape(-1), nblk, chunks, str(recipe))
 
 
-def _assemble(part: torch.Tensor, byte: torch.Tensor, nblk: list[int], chunks: list[int],
-              recipe: str) -> list:
+def _assemble(session: Session, part: torch.Tensor, byte: torch.Tensor, nblk: list[int],
+              chunks: list[int], recipe: str) -> list:
     """Per grid: partials [chunks, 11] summed (float64) or maxed over its chunks, less what its
     padding blocks added (zero codes; scale mismatches against the pad byte 127)."""
     nw = len(nblk)
@@ -215,7 +213,7 @@ def _assemble(part: torch.Tensor, byte: torch.Tensor, nblk: list[int], chunks: l
     for i, (sm, mx) in enumerate(zip(sums.tolist()[:nw], maxs.tolist()[:nw])):
         n, pad = nblk[i] * 32, padded[i] - nblk[i]
         if sm[10]:
-            fused.log_choice(recipe, "NaN or inf element codes")
+            say(session, recipe, "NaN or inf element codes")
             out.append(None)
             continue
         blocks = byte[starts[i]:starts[i] + nblk[i]]
@@ -224,9 +222,9 @@ def _assemble(part: torch.Tensor, byte: torch.Tensor, nblk: list[int], chunks: l
         # block's byte (the same for every pad block), a mismatch unless that is 127
         pad_mis = pad * int(byte[starts[i] + nblk[i]] != 127) if pad else 0
         m = metrics_from_sums(sm[2], sm[3], sm[4], sm[5], mx[6], mx[0],
-                              clip_frac=fused._ratios([sm[8]], [n])[0],
+                              clip_frac=count_ratios([sm[8]], [n])[0],
                               zero_frac=(round(sm[7]) - 32 * pad) / n)
-        m["scale_mismatch_frac"] = fused._ratios([sm[1] - pad_mis], [nblk[i]])[0]
+        m["scale_mismatch_frac"] = count_ratios([sm[1] - pad_mis], [nblk[i]])[0]
         m["code_mismatch_frac"] = round(sm[9]) / n
-        out.append(fused.FusedResult(m, counts))
+        out.append(FusedResult(m, counts))
     return out

@@ -22,7 +22,7 @@ from tables the reference's own functions fill:
   (recipe) on magnitudes with per-block scales and per-chunk globals, the same elementwise fp32
   operations as the reference's calls on whole tensors; Inductor keeps IEEE fp32 (no fast-math,
   no FMA contraction) and rounds ``.to(bfloat16)`` as eager does (``emulate_precision_casts``);
-- E2M1 rounding is ``fused.round_e2m1`` (ties to even, as every NVFP4 profile; exact for any
+- E2M1 rounding is ``fused_common.round_e2m1`` (ties to even, as every NVFP4 profile; exact for any
   fp32 >= 0: tested on every BF16 value and around every boundary in fp32);
 - magnitudes suffice: all scales are positive, so a non-zero re-quantized code keeps the stored
   sign, |deq - w| and w * deq are sign-free, a code mismatch (+0 equals -0) is a magnitude
@@ -53,8 +53,9 @@ from workbench.formats.elements import pack_fp4
 from workbench.formats.nvfp4 import dequantize_nvfp4, from_library_global, to_library_global
 from workbench.formats.nvfp4_profiles import get_profile
 
-from . import fused
+from .fused_common import FusedResult, mag_e2m1, pack_blocks, round_e2m1, run_graph, say
 from .metrics import block_scales, count_ratio, metrics_from_sums, scale_exponents
+from .session import Session, Unavailable
 
 CHUNK = 256  # blocks per partial: 4096 elements per nibble half (longer reductions take
 # Inductor's cascade summation, several times slower; 4096 fp32 ones count exactly)
@@ -124,9 +125,9 @@ def _element_graph(stored_profile: str, recipe_profile: str):
         # The profiles' functions take elements in a last dim of their own: [..., None].
         out = []
         for c in (data & 7, (data >> 4) & 7):  # low, high nibble (sign bits are not needed)
-            m = fused._mag(c.to(torch.float32))
+            m = mag_e2m1(c.to(torch.float32))
             w = sp.decode(m[..., None], s, g)[..., 0].to(torch.bfloat16).to(torch.float32)
-            q = fused.round_e2m1(rp.scaled(w[..., None], s_new, g_new)[..., 0], "even")
+            q = round_e2m1(rp.scaled(w[..., None], s_new, g_new)[..., 0], "even")
             deq = rp.decode(q[..., None], s_new, g_new)[..., 0]
             err = deq - w
             d = (1, 2)  # one partial per chunk and quantity: Inductor fuses them into one loop
@@ -136,11 +137,6 @@ def _element_graph(stored_profile: str, recipe_profile: str):
         return out
 
     return analyse
-
-
-def _run(key: tuple, build, args: list):
-    """The hook tests replace to run ``build()`` uncompiled."""
-    return fused.run_graph(key, build, args, bf16_casts=True)
 
 
 def _recipe_tables(W: torch.Tensor, present: torch.Tensor, recipe: Recipe):
@@ -156,18 +152,20 @@ def _recipe_tables(W: torch.Tensor, present: torch.Tensor, recipe: Recipe):
     return g, prof.block_scale(bamax, g)
 
 
-def stored_vs_recipe(grids: list[QuantizedTensor], recipe: Recipe) -> list | None:
+def stored_vs_recipe(session: Session, grids: list[QuantizedTensor], recipe: Recipe
+                     ) -> list | None:
     """The reference's metrics of each stored NVFP4 grid (``grid_reason`` None, one stored
-    profile) re-quantized with ``recipe``; an entry is None where a weight is refused after
-    the first pass (reason logged); None when compiling fails (logged)."""
+    profile) re-quantized with ``recipe``, in compiled calls of ``session``; an entry is None
+    where a weight is refused after the first pass (reason said); None when compiling fails
+    (logged)."""
     if any((g.fmt, g.profile) != ("nvfp4", grids[0].profile) for g in grids):
         raise ValueError("one call, one stored profile of NVFP4 grids")
     sprof = grids[0].profile
-    data, sbyte, nblk, chunks = fused.pack_blocks(grids, 8, CHUNK, 0x38,  # pad scale 1.0
-                                                   transpose=True)
+    data, sbyte, nblk, chunks = pack_blocks(session, grids, 8, CHUNK, 0x38,  # pad scale 1.0
+                                            transpose=True)
     try:
-        cmax = _run(("nvfp4-cmax",), _cmax_graph, [data])
-    except fused._Unavailable:
+        cmax = run_graph(session, ("nvfp4-cmax",), _cmax_graph, [data], bf16_casts=True)
+    except Unavailable:
         return None
     pair = (cmax.long() * 256 + sbyte.long()).reshape(-1)
     nw = len(grids)
@@ -186,14 +184,14 @@ def stored_vs_recipe(grids: list[QuantizedTensor], recipe: Recipe) -> list | Non
         big = float(W[present].amax())
         if big == 0 or (smallest.numel() and float(smallest.amin()) < RANGE[0]) or \
                 big > RANGE[1]:
-            fused.log_choice(str(recipe), "decoded weights outside 2^-50..2^50 (or all zero)")
+            say(session, str(recipe), "decoded weights outside 2^-50..2^50 (or all zero)")
             info.append(None)
             continue
         g, s_new = _recipe_tables(W, present, recipe)
         g_dec = from_library_global(g, recipe.profile)
         if not (bool(torch.isfinite(g_dec)) and float(g_dec) > 0 and
                 bool(torch.isfinite(s_new.float()[present]).all())):
-            fused.log_choice(str(recipe), "the recipe's scales are not finite")
+            say(session, str(recipe), "the recipe's scales are not finite")
             info.append(None)
             continue
         t_new[i] = s_new.float()
@@ -204,10 +202,11 @@ def stored_vs_recipe(grids: list[QuantizedTensor], recipe: Recipe) -> list | Non
     s_old = sbyte.view(torch.float8_e4m3fn).float().unsqueeze(1)
     s_rec = t_new.reshape(-1)[owner[:, None] * PAIRS + pair.view(-1, CHUNK)].unsqueeze(1)
     try:
-        part = _run(("nvfp4", sprof, recipe.profile),
-                    lambda: _element_graph(sprof, recipe.profile),
-                    [data, s_old, s_rec, g_old[owner, None, None], g_new[owner, None, None]])
-    except fused._Unavailable:
+        part = run_graph(session, ("nvfp4", sprof, recipe.profile),
+                         lambda: _element_graph(sprof, recipe.profile),
+                         [data, s_old, s_rec, g_old[owner, None, None], g_new[owner, None, None]],
+                         bf16_casts=True)
+    except Unavailable:
         return None
     part = torch.stack(part).T  # [chunks, 16]: 8 per nibble half
     sums = torch.zeros(nw + 1, 16, dtype=torch.float64).index_add_(0, owner, part.double())
@@ -243,4 +242,4 @@ def _result(recipe: Recipe, stored: QuantizedTensor, info, sm: list, mx: list, p
     hist = torch.zeros(4096, dtype=torch.int64).index_add_(0, exps[present].long() + 2048,
                                                            counts[present])
     keys = hist.nonzero().flatten()
-    return fused.FusedResult(m, None, list(zip((keys - 2048).tolist(), hist[keys].tolist())))
+    return FusedResult(m, None, list(zip((keys - 2048).tolist(), hist[keys].tolist())))

@@ -19,6 +19,7 @@ from workbench._io import atomic_open, atomic_write_text
 from workbench.formats import parse_recipe
 
 from .metrics import nonfinite_rows
+from .session import Session
 from .tables import ErrorTables, candidate_errors, reference_errors, stored_vs_recipes
 
 DENSE_DEFAULT = ("mxfp4:rceil", "mxfp4:floor", "nvfp4:torchao")
@@ -99,12 +100,15 @@ def _stored_formats(ck) -> list[str]:
 
 
 def inspect_checkpoint(ck, recipes=None, reference=None, *, progress: bool = True,
-                       device: str | None = None, select=None) -> InspectResult:
+                       device: str | None = None, select=None,
+                       session: Session | None = None) -> InspectResult:
     """The question ``ck`` invites (see the module docstring), over the layers / experts
-    ``select`` keeps (a ``Selection``; None: all)."""
+    ``select`` keeps (a ``Selection``; None: all). ``session``: what compiled graphs this
+    process already has (hold one across calls, e.g. in a notebook); one per call by default."""
     import pandas as pd
 
-    kw = {"progress": progress, "device": device, "select": select}
+    kw = {"progress": progress, "device": device, "select": select,
+          "session": Session() if session is None else session}
     fmts = _stored_formats(ck)
     if reference is not None:
         t = reference_errors(ck, reference, **kw)

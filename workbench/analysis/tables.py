@@ -4,18 +4,23 @@
 2. ``reference_errors(ck, reference)``: a packed checkpoint against a BF16 reference checkpoint.
 3. ``stored_vs_recipes(ck, recipes)``: the stored grid against re-quantizing its decoded weights.
 
-Each returns ``ErrorTables(experts, scales)``: ``experts`` has one row per layer x expert x
+Each returns ``ErrorTables(experts, scales, plan)``: ``experts`` has one row per layer x expert x
 projection x recipe with ``kind`` in routed/shared/dense (never mixed), ``scales`` the long
-scale-exponent histogram. ``nonfinite`` counts the NaN/Inf values among a row's inputs (the
-weights as stored, decoded, and the reference's): a row whose sums met one has NaN metrics,
-and is then re-read and counted here, on every path alike. Each function takes ``path`` (``paths.choose_path``: "auto" by default,
-logged): this module is the reference path, which streams one weight at a time through a small
-thread pool (torch kernels release the GIL, so I/O of the next weights overlaps the math of this
-one); at most ``inflight`` weights are alive. The batched and fused paths are ``fast.py``.
+scale-exponent histogram, ``plan`` the ``plans.AnalysisPlan`` that ran. ``nonfinite`` counts the
+NaN/Inf values among a row's inputs (the weights as stored, decoded, and the reference's): a row
+whose sums met one has NaN metrics, and is then re-read and counted here, on every path alike.
+``select`` (a ``workbench.checkpoint.select.Selection``) restricts a question to some layers /
+experts: only their bytes are read. Each function takes ``plan`` (from ``plans.plan``), or builds
+one from ``path`` ("auto" by default), ``device`` and ``workers``, and logs it; ``session`` (a
+``Session``) carries compiled graphs from call to call.
+This module is the reference path, which streams one weight at a time through a small thread
+pool (torch kernels release the GIL, so I/O of the next weights overlaps the math of this one);
+at most ``inflight`` weights are alive. The batched and fused paths are ``fast.py``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,10 +31,9 @@ import torch
 
 from workbench._io import atomic_open
 from workbench.checkpoint.grid import stored_grid
-from workbench.checkpoint.select import as_selection
 from workbench.formats import Recipe, dequantize, parse_recipe, quantize
 
-from . import fast, paths
+from . import fast, plans
 from .metrics import (
     count_nonfinite,
     error_metrics,
@@ -37,7 +41,10 @@ from .metrics import (
     nonfinite_rows,
     scale_exponents,
 )
-from .paths import choose_path
+from .plans import AnalysisPlan
+from .session import Session
+
+_log = logging.getLogger(__name__)
 
 KEY_COLS = ["layer", "expert", "proj", "kind", "recipe"]
 
@@ -54,6 +61,7 @@ def _pd():
 class ErrorTables:
     experts: object  # pandas.DataFrame
     scales: object  # pandas.DataFrame: layer, expert, proj, kind, recipe, exponent, count
+    plan: AnalysisPlan | None = None  # the plan that computed them (None: loaded from disk)
 
     def save(self, folder: str | os.PathLike) -> Path:
         """Write ``experts.csv`` and ``scales.csv`` (and parquet copies when pyarrow is present)."""
@@ -69,12 +77,6 @@ class ErrorTables:
         pd = _pd()
         folder = Path(folder)
         return cls(pd.read_csv(folder / "experts.csv"), pd.read_csv(folder / "scales.csv"))
-
-
-def _device(device: str | None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _quantize_2d(w: torch.Tensor, recipe: Recipe):
@@ -100,15 +102,6 @@ def _stream(items: list, work: Callable, desc: str, workers: int | None, infligh
     bar.close()
 
 
-def _records(ck, kinds, select=None):
-    """The records a question covers: of ``kinds``, kept by ``select`` (a
-    ``workbench.checkpoint.select.Selection``; None: all), which must keep something."""
-    sel = as_selection(select)
-    recs = [r for r in ck.expert_records() if r.kind in kinds]
-    sel.check(recs, str(ck.path))
-    return sel.filter(recs)
-
-
 def _rows(rec, recipe: str, metrics: dict, q) -> tuple[dict, list[dict]]:
     base = {"layer": rec.layer, "expert": rec.expert, "proj": rec.proj, "kind": rec.kind,
             "recipe": recipe}
@@ -120,7 +113,7 @@ def _rows(rec, recipe: str, metrics: dict, q) -> tuple[dict, list[dict]]:
     return row, hist
 
 
-def _collect(results, pd) -> ErrorTables:
+def _collect(results, pd, plan: AnalysisPlan) -> ErrorTables:
     rows, hist = [], []
     for r, h in results:
         rows.extend(r)
@@ -129,7 +122,7 @@ def _collect(results, pd) -> ErrorTables:
     if not experts.empty:
         experts = experts.sort_values(KEY_COLS, kind="stable").reset_index(drop=True)
     scales = pd.DataFrame(hist, columns=[*KEY_COLS, "exponent", "count"])
-    return ErrorTables(experts, scales)
+    return ErrorTables(experts, scales, plan)
 
 
 def _with_nonfinite(t: ErrorTables, items, count: Callable) -> ErrorTables:
@@ -148,28 +141,55 @@ def _with_nonfinite(t: ErrorTables, items, count: Callable) -> ErrorTables:
     return t
 
 
+def _plan(question: str, ck, other, kinds, select, plan: AnalysisPlan | None, session: Session,
+          *, path: str, device: str | None, workers: int | None):
+    """(the job, the plan it runs with): ``plan`` checked against the job, or one built from
+    the arguments; logged once per session."""
+    j = plans.job(question, ck, other, kinds, select)
+    if plan is None:
+        plan = plans.plan_job(j, ck, other, device=device, path=path, workers=workers,
+                              session=session)
+    elif path != "auto" or device is not None or workers is not None:
+        raise ValueError("pass either plan= or path/device/workers, not both: the plan holds "
+                         "them")
+    else:
+        plans.check(plan, j)
+    session.say(_log, str(plan))
+    return j, plan
+
+
+def _fast(plan: AnalysisPlan, session: Session, work: Callable):
+    """``work()``, a batched or fused table call; after a fused one on CPU that ran graphs its
+    job's units are recorded as warm in ``session``."""
+    before = session.calls
+    out = work()
+    if plan.path == "fused" and plan.device.type == "cpu":
+        session.note_job(plan.units, before)
+    return out
+
+
 def candidate_errors(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "shared", "dense"),
                      device: str | None = None, workers: int | None = None, inflight: int = 4,
-                     progress: bool = True, path: str = "auto", select=None) -> ErrorTables:
+                     progress: bool = True, path: str = "auto", select=None,
+                     plan: AnalysisPlan | None = None,
+                     session: Session | None = None) -> ErrorTables:
     """Question 1: each weight (decoded to BF16 if stored packed) under each candidate recipe.
 
-    ``path`` picks reference / batched / fused ("auto": see ``paths.choose_path``); every path
-    gives the reference's table (float sums to summation order). ``select`` (a
-    ``Selection``) restricts the question to some layers / experts: only their bytes are read."""
+    ``path`` picks reference / batched / fused ("auto": see ``plans``), or ``plan`` says all;
+    every path gives the reference's table (float sums to summation order). ``select`` (a
+    ``Selection``) restricts the question to some layers / experts."""
     pd = _pd()
-    recs = [parse_recipe(r) for r in recipes]
-    dev = _device(device)
-    items = _records(ck, kinds, select)
-    q = "candidate recipes"
-    choice = choose_path(path, dev, _elements(items) * len(recs), q,
-                         paths.job_units(q, dev, _signatures(ck, items), _sizes(items), recs))
+    session = Session() if session is None else session
+    j, plan = _plan("candidate_errors", ck, list(recipes), kinds, select, plan, session,
+                    path=path, device=device, workers=workers)
+    recs, dev, items = j.recipes, plan.device, j.items
+
     def count(rec):
         return count_nonfinite(ck.view_of(rec).materialize())
 
-    if choice.path != "reference":
-        return _with_nonfinite(_collect(paths.run(choice, lambda: fast.candidate_results(
-            ck, items, recs, dev, _plan(dev, workers), progress,
-            use_compiled=choice.path == "fused")), pd), items, count)
+    if plan.path != "reference":
+        return _with_nonfinite(_collect(_fast(plan, session, lambda: fast.candidate_results(
+            plan, session, ck, j, progress)), pd, plan), items, count)
 
     def work(rec):
         w = ck.view_of(rec).materialize().to(dev)
@@ -181,8 +201,8 @@ def candidate_errors(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "s
             hist.extend(h)
         return rows, hist
 
-    return _with_nonfinite(_collect(_stream(items, work, "candidate recipes", workers, inflight,
-                                            progress), pd), items, count)
+    return _with_nonfinite(_collect(_stream(items, work, "candidate recipes", plan.workers,
+                                            inflight, progress), pd, plan), items, count)
 
 
 def _stored_label(ck, rec) -> str:
@@ -192,38 +212,31 @@ def _stored_label(ck, rec) -> str:
 
 def reference_errors(ck, reference, *, kinds=("routed", "shared", "dense"),
                      device: str | None = None, workers: int | None = None, inflight: int = 4,
-                     progress: bool = True, path: str = "auto", select=None) -> ErrorTables:
+                     progress: bool = True, path: str = "auto", select=None,
+                     plan: AnalysisPlan | None = None,
+                     session: Session | None = None) -> ErrorTables:
     """Question 2: the checkpoint's stored weights against the same weights in ``reference``.
 
     Records are matched by (kind, layer, expert, proj), so the two may use different layouts.
     """
     pd = _pd()
-    dev = _device(device)
-    # the reference's keys once: built per record, this check took 2.7 s for the 3840 records of
-    # a 15 GB pair (2-core host), a quarter of the whole GPU pass
-    have = {(x.kind, x.layer, x.expert, x.proj) for x in reference.expert_records()}
-    items = _records(ck, kinds, select)
-    missing = [r.key for r in items if (r.kind, r.layer, r.expert, r.proj) not in have]
-    if missing:
-        raise ValueError(f"reference checkpoint {reference.path} lacks {len(missing)} weights of "
-                         f"{ck.path}, e.g. {missing[:3]}")
-    q = "stored vs reference"
-    refs = [reference.record(r.layer, r.expert, r.proj, r.kind) for r in items]
-    choice = choose_path(path, dev, _elements(items), q, paths.job_units(
-        q, dev, list(zip(_signatures(ck, items), _signatures(reference, refs))), _sizes(items)))
-    def count(rec):
-        ref = reference.record(rec.layer, rec.expert, rec.proj, rec.kind)
-        return count_nonfinite(ck.view_of(rec).materialize(),
-                               reference.view_of(ref).materialize())
+    session = Session() if session is None else session
+    j, plan = _plan("reference_errors", ck, reference, kinds, select, plan, session, path=path,
+                    device=device, workers=workers)
+    dev, items = plan.device, j.items
+    refs = dict(zip((r.key for r in items), j.refs))
 
-    if choice.path != "reference":
-        return _with_nonfinite(_collect(paths.run(choice, lambda: fast.reference_results(
-            ck, reference, items, lambda rec: _stored_label(ck, rec), dev, _plan(dev, workers),
-            progress, use_compiled=choice.path == "fused")), pd), items, count)
+    def count(rec):
+        return count_nonfinite(ck.view_of(rec).materialize(),
+                               reference.view_of(refs[rec.key]).materialize())
+
+    if plan.path != "reference":
+        return _with_nonfinite(_collect(_fast(plan, session, lambda: fast.reference_results(
+            plan, session, ck, reference, j, lambda rec: _stored_label(ck, rec), progress)),
+            pd, plan), items, count)
 
     def work(rec):
-        ref = reference.view_of(reference.record(rec.layer, rec.expert, rec.proj, rec.kind))
-        w = ref.materialize().to(dev)
+        w = reference.view_of(refs[rec.key]).materialize().to(dev)
         deq = ck.view_of(rec).materialize().to(dev)
         if w.shape != deq.shape:
             raise ValueError(f"{rec.key}: shape {tuple(deq.shape)} in {ck.path} but "
@@ -233,14 +246,15 @@ def reference_errors(ck, reference, *, kinds=("routed", "shared", "dense"),
         row, h = _rows(rec, _stored_label(ck, rec), error_metrics(w, deq, q), q)
         return [row], h
 
-    return _with_nonfinite(_collect(_stream(items, work, "stored vs reference", workers,
-                                            inflight, progress), pd), items, count)
+    return _with_nonfinite(_collect(_stream(items, work, "stored vs reference", plan.workers,
+                                            inflight, progress), pd, plan), items, count)
 
 
 def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "shared", "dense"),
                       device: str | None = None, workers: int | None = None, inflight: int = 4,
-                      progress: bool = True, path: str = "auto", select=None
-                      ) -> ErrorTables:
+                      progress: bool = True, path: str = "auto", select=None,
+                      plan: AnalysisPlan | None = None,
+                      session: Session | None = None) -> ErrorTables:
     """Question 3: re-quantize each stored packed weight's decoded values with each recipe.
 
     Rows carry the error of the re-quantized weights against the decoded stored weights (zero
@@ -248,19 +262,17 @@ def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "
     ``code_mismatch_frac`` against the stored grid. Dense-stored weights are skipped.
     """
     pd = _pd()
-    recs = [parse_recipe(r) for r in recipes]
-    dev = _device(device)
-    items = _records(ck, kinds, select)
-    q = "stored grid vs recipes"
-    choice = choose_path(path, dev, _elements(items) * len(recs), q,
-                         paths.job_units(q, dev, _signatures(ck, items), _sizes(items), recs))
+    session = Session() if session is None else session
+    j, plan = _plan("stored_vs_recipes", ck, list(recipes), kinds, select, plan, session,
+                    path=path, device=device, workers=workers)
+    recs, dev, items = j.recipes, plan.device, j.items
+
     def count(rec):
         return count_nonfinite(ck.view_of(rec).materialize())
 
-    if choice.path != "reference":
-        return _with_nonfinite(_collect(paths.run(choice, lambda: fast.stored_results(
-            ck, items, recs, dev, _plan(dev, workers), progress,
-            use_fused=choice.path == "fused")), pd), items, count)
+    if plan.path != "reference":
+        return _with_nonfinite(_collect(_fast(plan, session, lambda: fast.stored_results(
+            plan, session, ck, j, progress)), pd, plan), items, count)
 
     def work(rec):
         stored = stored_grid(ck, rec)
@@ -279,25 +291,8 @@ def stored_vs_recipes(ck, recipes: Iterable[str | Recipe], *, kinds=("routed", "
             hist.extend(h)
         return rows, hist
 
-    return _with_nonfinite(_collect(_stream(items, work, "stored grid vs recipes", workers,
-                                            inflight, progress), pd), items, count)
-
-
-def _sizes(items) -> list[int]:
-    return [r.shape[0] * r.shape[1] for r in items]
-
-
-def _elements(items) -> int:
-    return sum(_sizes(items))
-
-
-def _signatures(ck, items) -> list[tuple]:
-    """Per record, what the batched and fused paths stack it by (for ``paths.job_units``)."""
-    return [fast._signature(ck, r) for r in items]
-
-
-def _plan(dev, workers):
-    return fast.Plan.default(dev, workers)
+    return _with_nonfinite(_collect(_stream(items, work, "stored grid vs recipes", plan.workers,
+                                            inflight, progress), pd, plan), items, count)
 
 
 def _to(q, dev):

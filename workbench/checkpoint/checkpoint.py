@@ -121,22 +121,25 @@ class Checkpoint:
             raise MissingTensorError(f"no {kind} expert (layer {layer}, expert {expert}, "
                                      f"proj {proj!r})", path=self.path) from None
 
-    def view_of(self, rec: ExpertRecord) -> LogicalTensor:
+    def view_of(self, rec: ExpertRecord, *, keep_dtype: bool = False) -> LogicalTensor:
         spec = self.spec(rec.name)
         return StoredView(self.index, spec, lead=rec.lead,
                           rows=(rec.row_offset, rec.row_stride, rec.shape[0]),
-                          name=f"{rec.name}[{rec.key}]")
+                          name=f"{rec.name}[{rec.key}]", keep_dtype=keep_dtype)
 
-    def expert_weight(self, layer: int, expert: int, proj: str, kind: str = "routed"
-                      ) -> LogicalTensor:
-        """Logical BF16 view `[out, in]` of one expert projection."""
-        return self.view_of(self.record(layer, expert, proj, kind))
+    def expert_weight(self, layer: int, expert: int, proj: str, kind: str = "routed", *,
+                      keep_dtype: bool = False) -> LogicalTensor:
+        """Logical BF16 view `[out, in]` of one expert projection (`keep_dtype`: a weight stored
+        unpacked keeps its stored dtype, as `tensor(..., keep_dtype=True)`)."""
+        return self.view_of(self.record(layer, expert, proj, kind), keep_dtype=keep_dtype)
 
     def num_experts(self, layer: int) -> int:
         return len({r.expert for r in self._records if r.kind == "routed" and r.layer == layer})
 
-    def stacked_experts(self, layer: int, proj: str) -> LogicalTensor:
-        """`[E, out, in]` view of a layer's routed experts; slicing E reads only those experts."""
+    def stacked_experts(self, layer: int, proj: str, *, keep_dtype: bool = False
+                        ) -> LogicalTensor:
+        """`[E, out, in]` view of a layer's routed experts; slicing E reads only those experts
+        (`keep_dtype` as in `expert_weight`)."""
         recs = [r for r in self._records if r.kind == "routed" and r.layer == layer
                 and r.proj == proj]
         if not recs:
@@ -151,8 +154,9 @@ class Checkpoint:
             # one fused 3-D tensor: a single strided view reads the expert range in one request
             return StoredView(self.index, self.spec(r0.name), lead=None,
                               rows=(r0.row_offset, r0.row_stride, r0.shape[0]),
-                              name=f"{r0.name}[{proj}]")
-        return StackView(f"layers.{layer}.experts.{proj}", [self.view_of(r) for r in recs])
+                              name=f"{r0.name}[{proj}]", keep_dtype=keep_dtype)
+        return StackView(f"layers.{layer}.experts.{proj}",
+                         [self.view_of(r, keep_dtype=keep_dtype) for r in recs])
 
     def close(self) -> None:
         self.index.close()

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
+from workbench._io import atomic_write_bytes, publish
 from workbench.source import (
     TOKENIZER_FILES,
     Source,
@@ -126,7 +127,7 @@ def _url_download(folder: RemoteFolder, files: list[str]) -> Path:
     for name in SMALL_FILES:
         data = folder.read_small(name, 512 << 20)
         if data is not None:
-            _atomic_bytes(dest / name, data)
+            atomic_write_bytes(dest / name, data)
     for name in files:
         download(folder, name, dest / name)
     return dest
@@ -145,12 +146,6 @@ def _locked(path: Path):
         os.close(fd)
 
 
-def _atomic_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def download(folder: RemoteFolder, name: str, dest: Path) -> Path:
     """The remote file ``name`` at ``dest``: resumed from ``dest.incomplete`` when the server
     still has the same file, fetched in pieces (each retried per the folder's policy), its size
@@ -166,7 +161,7 @@ def download(folder: RemoteFolder, name: str, dest: Path) -> Path:
             return dest
         if not meta.is_file() or meta.read_text() != ident:
             part.unlink(missing_ok=True)  # another file now: start over
-            _atomic_bytes(meta, ident.encode())
+            atomic_write_bytes(meta, ident.encode())
         have = part.stat().st_size if part.exists() else 0
         if have > size:
             part.unlink()
@@ -181,6 +176,6 @@ def download(folder: RemoteFolder, name: str, dest: Path) -> Path:
         got = part.stat().st_size
         if got != size:
             raise RemoteReadError(f"download ended at {got} of {size} bytes", path=path)
-        os.replace(part, dest)
+        publish(part, dest)
         meta.unlink(missing_ok=True)
     return dest

@@ -37,7 +37,7 @@ def stored_grid(ck, rec: ExpertRecord) -> QuantizedTensor | None:
 
     NVFP4 global scales are converted to the decode direction; gpt-oss ``[.., K/32, 16]`` blocks
     are flattened; row maps (gpt-oss interleaved gate/up, TE fc1 halves) are applied.
-    ``workbench.analysis.fast`` builds stacks of these straight into pinned buffers with the
+    ``stacks.py`` and ``windows.py`` build stacks of these straight into pinned buffers with the
     same steps (``grid_selection``, ``library_global``): keep the two in step.
     """
     spec = ck.spec(rec.name)

@@ -19,10 +19,10 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-import tempfile
 import threading
 from pathlib import Path
 
+from workbench._io import atomic_open
 from workbench.source import hf_home
 
 MAGIC = b"WBRNG1\0\0"
@@ -97,15 +97,9 @@ class RangeCache:
         head = _HEAD.pack(MAGIC, digest, len(data), hashlib.blake2b(data, digest_size=16).digest())
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(head)
-                    f.write(data)
-                os.replace(tmp, path)
-            except BaseException:
-                _unlink(tmp)
-                raise
+            with atomic_open(path, "wb") as f:
+                f.write(head)
+                f.write(data)
         except OSError:
             return
         self._grow(len(data) + _HEAD.size)

@@ -1,8 +1,12 @@
 """The sparse MoE block: router -> dispatcher -> grouped experts, plus an optional shared expert.
 
 Legend: B batch, S sequence, T = B*S tokens, D hidden, E global experts, K top-k.
-Routed part = transformers' `Qwen3MoeSparseMoeBlock`; the shared expert (absent in Qwen3-MoE)
-follows `Qwen2MoeSparseMoeBlock`: y += [sigmoid(shared_expert_gate(x))] * shared_expert(x).
+Routed part = transformers' `Qwen3MoeSparseMoeBlock` / `GptOssMLP` / `DeepseekV3MoE` (the
+router kind, the experts' activation and biases come from the config); the shared expert follows
+`DeepseekV3MoE` (y += shared_experts(x)) or, with `shared_expert_gate`,
+`Qwen2MoeSparseMoeBlock` (y += sigmoid(shared_expert_gate(x)) * shared_expert(x)).
+Internal names are the same for every family (`gate`, `experts`, `shared_expert`); the key map
+(`workbench.model.hf`) renames gpt-oss's `router` and DeepSeek's `shared_experts`.
 """
 
 from __future__ import annotations
@@ -13,9 +17,9 @@ from torch import nn
 from workbench.arch import MoEConfig
 from workbench.model.cast import Linear
 from workbench.model.dispatch import LocalDispatcher
-from workbench.model.experts import GroupedExperts
+from workbench.model.experts import GroupedExperts, activation
 from workbench.model.layers import SwiGLU
-from workbench.model.router import TopKRouter
+from workbench.model.router import make_router
 
 
 class MoEBlock(nn.Module):
@@ -25,10 +29,11 @@ class MoEBlock(nn.Module):
             raise ValueError(f"num_experts ({cfg.num_experts}) must be divisible by the expert-"
                              f"parallel size ({ep_size}) for contiguous expert sharding")
         local = cfg.num_experts // ep_size
-        self.gate = TopKRouter(cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.norm_topk_prob)
+        self.gate = make_router(cfg)
         self.experts = GroupedExperts(local, cfg.hidden_size, cfg.expert_ffn,
                                       num_global_experts=cfg.num_experts,
-                                      expert_offset=ep_rank * local)
+                                      expert_offset=ep_rank * local, bias=cfg.experts.bias,
+                                      act=activation(cfg.experts))
         self.shared_expert = SwiGLU(cfg.hidden_size, cfg.shared_expert_ffn) if cfg.shared_expert_ffn else None
         self.shared_expert_gate = (Linear(cfg.hidden_size, 1, bias=False)
                                    if cfg.shared_expert_gate else None)

@@ -1,10 +1,12 @@
-"""The Qwen3-MoE-compatible causal LM.
+"""The causal LM of every supported family (Qwen3-MoE, gpt-oss, DeepSeek-V3 / Kimi K2, GLM-4.5).
 
 Legend: B batch, S sequence, D hidden, V vocab, T = B*S tokens, E experts.
 
-Module and parameter names equal transformers' `Qwen3MoeForCausalLM` except the routed experts
-(`mlp.experts.w1/w3/w2`, see `workbench.model.hf` for the key map). Differences in behaviour:
-no KV cache, no padding mask (training model: causal attention over full sequences).
+A decoder layer is attention (GQA or MLA, `workbench.model.attention`), then a MoE block or a
+dense SwiGLU MLP (`MoEConfig.is_moe_layer`), each behind an RMSNorm and a residual. Module and
+parameter names equal transformers' for the family except the routed experts
+(`mlp.experts.w1/w3/w2[/b1/b3/b2]`) and the few renames of `workbench.model.hf`. Differences in
+behaviour: no KV cache, no padding mask (training model: causal attention over full sequences).
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.arch import MoEConfig
+from workbench.model.attention import make_attention
 from workbench.model.cast import Linear
 from workbench.model.experts import GroupedExperts
-from workbench.model.layers import Attention, RMSNorm, RotaryEmbedding, SwiGLU
+from workbench.model.layers import RMSNorm, SwiGLU
 from workbench.model.loss import linear_cross_entropy
 from workbench.model.moe import MoEBlock
-from workbench.model.router import load_balancing_loss
+from workbench.model.rope import RotaryEmbedding
+from workbench.model.router import SigmoidRouter, load_balancing_loss
 
 IGNORE_INDEX = -100
 
@@ -40,11 +44,11 @@ class MoEOutput:
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: MoEConfig, layer: int, *, ep_rank: int, ep_size: int) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = make_attention(cfg, layer)
         self.mlp: nn.Module = (MoEBlock(cfg, ep_rank=ep_rank, ep_size=ep_size)
                                if cfg.is_moe_layer(layer) else SwiGLU(cfg.hidden_size, cfg.dense_ffn))
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.input_layernorm = _norm(cfg)
+        self.post_attention_layernorm = _norm(cfg)
 
     def forward(self, h_BSD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -62,8 +66,13 @@ class MoEModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, ep_rank=ep_rank, ep_size=ep_size) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.norm = _norm(cfg)
+        self.rotary_emb = RotaryEmbedding(cfg)
+
+
+def _norm(cfg: MoEConfig) -> RMSNorm:
+    # gpt-oss multiplies by the weight before casting back (transformers' GptOssRMSNorm)
+    return RMSNorm(cfg.hidden_size, cfg.rms_eps, cast_last=cfg.family == "gpt_oss")
 
 
 class MoEForCausalLM(nn.Module):
@@ -88,6 +97,9 @@ class MoEForCausalLM(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if dtype is not None:
             self.to(dtype=dtype)
+            for m in self.modules():  # transformers keeps sigmoid routers in fp32 at any dtype
+                if isinstance(m, SigmoidRouter):
+                    m.float()
         self.to_empty(device=device if device is not None else torch.get_default_device())
         if cfg.tie_embeddings:  # after to_empty, which would allocate the two names separately
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -111,6 +123,8 @@ class MoEForCausalLM(nn.Module):
                 name = f"{mod_name}.{p_name}" if mod_name else p_name
                 if isinstance(module, RMSNorm):
                     param.fill_(1.0)
+                elif isinstance(module, SigmoidRouter) and p_name == "e_score_correction_bias":
+                    param.zero_()  # as transformers initialises it; it moves only by updates
                 elif isinstance(module, GroupedExperts):
                     for e in range(module.num_experts):
                         param[e].copy_(_normal(param.shape[1:], std, seed, name,
@@ -148,8 +162,9 @@ class MoEForCausalLM(nn.Module):
         logits_BSV = None if chunked else self.lm_head(h_BSD)
 
         balance = self.balance_group if self.balance_group is not None else self.ep_group
+        # Sigmoid routers balance through their correction bias, not an aux loss (DeepSeek-V3).
         aux = (load_balancing_loss(router_logits, cfg.num_experts, cfg.top_k, balance)
-               if router_logits else None)
+               if router_logits and cfg.router.kind != "sigmoid" else None)
         ce = loss = None
         if chunked:
             ce = linear_cross_entropy(h_BSD[:, :-1].flatten(0, 1), self.lm_head.weight,

@@ -7,6 +7,7 @@ figures lives above both, in ``workbench.report``.
 """
 
 from .compare import plot_compare_extremes, plot_compare_heatmap, plot_compare_scatter
+from .eval import plot_eval
 from .expert_stats import plot_error_growth, plot_map_difference, plot_step_heatmaps
 from .experts import (
     METRIC_LABELS,
@@ -29,6 +30,7 @@ __all__ = [
     "plot_compare_scatter",
     "plot_curves",
     "plot_error_growth",
+    "plot_eval",
     "plot_expert_detail",
     "plot_expert_distribution",
     "plot_expert_errors",

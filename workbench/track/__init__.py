@@ -9,6 +9,7 @@ from workbench.track.budget_chart import chart_data
 from workbench.track.budgets import (
     Budget,
     BudgetWatch,
+    EvalWithin,
     FakeQuantShare,
     LossFinite,
     NoDivergence,
@@ -32,6 +33,7 @@ from workbench.track.compare import (
     load_runs,
     runs_table,
 )
+from workbench.track.evals import EvalFileError, GroupEval, group_eval, read_eval, wide_table
 from workbench.track.experts import expert_error_summary, final_expert_errors
 from workbench.track.metrics import BadMetricsFile, MetricsLineSkipped, as_metrics, read_metrics
 from workbench.track.offline import OfflineRun, find_runs, merge_segments, read_run
@@ -51,7 +53,10 @@ __all__ = [
     "BudgetWatch",
     "Comparison",
     "CorruptRunFile",
+    "EvalFileError",
+    "EvalWithin",
     "FakeQuantShare",
+    "GroupEval",
     "Logger",
     "LossFinite",
     "MetricsLineSkipped",
@@ -80,11 +85,14 @@ __all__ = [
     "expert_stats",
     "final_expert_errors",
     "find_runs",
+    "group_eval",
     "load_runs",
     "make_logger",
     "merge_segments",
     "publish",
+    "read_eval",
     "read_metrics",
     "read_run",
     "runs_table",
+    "wide_table",
 ]

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
+from workbench.track.evals import column
 from workbench.track.metrics import as_metrics
 from workbench.train.logger import Logger
 
@@ -261,6 +262,59 @@ class RecoveryAtLeast:
         if math.isnan(r):
             return Verdict(self.name, r, self.fraction, None, detail)
         return Verdict(self.name, r, self.fraction, r >= self.fraction, detail)
+
+
+# --- downstream evaluation (workbench eval writes these columns into the run's metrics) ----
+
+@dataclass(frozen=True)
+class EvalWithin:
+    """The run's score on `task`'s `metric` (lm-eval's name, e.g. ``acc``, ``exact_match``, or
+    ``exact_match,strict-match`` for a filter other than none) is at most `points` percentage
+    points below the BF16 model's: 100 x (BF16 - run) <= points, for a higher-is-better metric
+    in [0, 1]. The BF16 score is the run's own ``/bf16`` column (the model its QAT started from,
+    evaluated with it by `workbench eval`), else the baseline run's score. Judged at the newest
+    step that has both; pending until the run has been evaluated."""
+
+    task: str
+    metric: str
+    points: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.task, str) or not self.task or not isinstance(self.metric, str) \
+                or not self.metric:
+            raise ValueError("EvalWithin: task and metric must be non-empty names")
+        if not (isinstance(self.points, (int, float)) and math.isfinite(self.points)
+                and self.points >= 0):
+            raise ValueError(f"EvalWithin: points must be a finite number >= 0, got "
+                             f"{self.points!r}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.task} {self.metric} within {self.points:g} points of BF16"
+
+    def evaluate(self, run: pd.DataFrame, baseline: pd.DataFrame | None) -> Verdict:
+        own, ref = column(self.task, self.metric), column(self.task, self.metric, "bf16")
+        mine = _col(run, own)
+        if not len(mine):
+            return Verdict(self.name, math.nan, self.points, None,
+                           f"not evaluated yet (no {own} column: run workbench eval)")
+        if ref in run.columns and run[ref].notna().any():
+            both = mine.merge(_col(run, ref), on="step")
+            step, q, b = (int(both["step"].iloc[-1]), float(both[own].iloc[-1]),
+                          float(both[ref].iloc[-1]))
+            where = "the run's BF16 model"
+        elif baseline is not None and len(_col(baseline, own)):
+            base = _col(baseline, own)
+            step, q = int(mine["step"].iloc[-1]), float(mine[own].iloc[-1])
+            b = float(base[own].iloc[-1])
+            where = "the baseline run"
+        else:
+            return Verdict(self.name, math.nan, self.points, None,
+                           "no BF16 score: evaluate the run with its BF16 model, or give a "
+                           "baseline run that was evaluated")
+        gap = 100.0 * (b - q)
+        return Verdict(self.name, gap, self.points, math.isfinite(gap) and gap <= self.points,
+                       f"step {step}: {q:.4g} vs {b:.4g} of {where} ({gap:+.3g} points)")
 
 
 # --- performance -------------------------------------------------------------------------

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from workbench.model import MoEForCausalLM, from_checkpoint, preset
+from workbench.model import ModelConfigError, MoEForCausalLM, from_checkpoint, preset
+from workbench.model.pretrained import materialize
 from workbench.qat import QATState, prepare
 from workbench.train.act_ckpt import apply_activation_checkpointing
 from workbench.train.config import TrainConfig
 from workbench.train.distributed import DistInfo, Layout, make_layout
 from workbench.train.fsdp import apply_fsdp
-from workbench.train.init import load_init
+from workbench.train.init import check_init_shapes, load_init
 from workbench.train.init_source import init_checkpoint, init_config_folder
 from workbench.train.optim import AdamW
+from workbench.train.router_bias import sigmoid_routers
 
 # The routed experts are what QAT fake-quantizes and what the packed export packs; attention,
 # router, dense FFNs, embeddings and lm_head stay BF16 (the Kimi K3 / gpt-oss recipes).
@@ -46,18 +49,22 @@ def lr_factor(i: int, *, warmup: int, steps: int, min_ratio: float) -> float:
 
 def model_config(cfg: TrainConfig):
     """The model's MoEConfig: the preset's, or (no preset) the --init checkpoint's config.json.
-    max_seq_len grows to --seq when a run trains on longer sequences than the preset lists."""
+    max_seq_len grows to --seq + 1 when a run trains on longer sequences than the preset lists."""
     mcfg = preset(cfg.preset) if cfg.preset is not None else \
         from_checkpoint(init_config_folder(cfg.init))
-    return mcfg.replace(max_seq_len=max(cfg.seq, mcfg.max_seq_len))
+    # a batch row holds seq + 1 tokens: the last one is only a label, but the model sees it
+    return mcfg.replace(max_seq_len=max(cfg.seq + 1, mcfg.max_seq_len))
 
 
 def build_model(cfg: TrainConfig, info: DistInfo, *, overwritten: bool = False,
-                layout: Layout | None = None) -> nn.Module:
+                layout: Layout | None = None,
+                before_alloc: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """`overwritten`: every parameter is about to be loaded (--init or a checkpoint), so the
     seeded initialisation (drawn on CPU, seconds per billion parameters) is skipped and the
     parameters are left uninitialised; the loaders fail on any tensor they cannot fill.
-    `layout`: the EP group the experts are sliced over (default: EP size = world size)."""
+    `layout`: the EP group the experts are sliced over (default: EP size = world size).
+    `before_alloc(meta_model)`: runs on the meta-device model before an `overwritten` model is
+    allocated (build checks the --init shapes there)."""
     mcfg = model_config(cfg)
     ep = layout.ep if layout is not None else info.world
     ep_group = layout.ep_group if layout is not None else info.group
@@ -71,21 +78,14 @@ def build_model(cfg: TrainConfig, info: DistInfo, *, overwritten: bool = False,
                                dtype=torch.float32)
     else:
         # On the meta device the model skips reset_parameters (see MoEForCausalLM.__init__).
-        model = materialize_(MoEForCausalLM(mcfg, seed=cfg.seed, ep_group=ep_group,
-                                            device="meta", dtype=torch.float32), info.device)
+        meta = MoEForCausalLM(mcfg, seed=cfg.seed, ep_group=ep_group, device="meta",
+                              dtype=torch.float32)
+        if before_alloc is not None:
+            before_alloc(meta)
+        model = materialize(meta, info.device)
     if layout is not None and layout.dp > 1:
         # The aux loss of the global batch, as at EP1 (MoEForCausalLM.balance_group).
         model.balance_group = info.group
-    return model
-
-
-def materialize_(model: nn.Module, device: torch.device) -> nn.Module:
-    """Allocate a meta-built MoEForCausalLM on `device`, parameters uninitialised: what its
-    constructor does after its own to_empty, minus the seeded draw."""
-    model.to_empty(device=device)
-    if model.config.tie_embeddings:  # to_empty allocates the two names separately
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb.reset_inv_freq()  # a non-persistent buffer: no loader restores it
     return model
 
 
@@ -128,11 +128,25 @@ def build(cfg: TrainConfig, info: DistInfo, *, resuming: bool = False) -> Built:
     """`resuming`: a checkpoint will overwrite every weight, so --init is not read."""
     cfg.check_world(info.world)
     layout = make_layout(info, cfg.ep, cfg.fsdp)
-    model = build_model(cfg, info, overwritten=resuming or bool(cfg.init), layout=layout)
-    if cfg.init and not resuming:
-        # before FSDP, into the plain EP-local tensors; a remote --init: this rank's shards
-        # are downloaded first (train.init_source)
-        load_init(init_checkpoint(cfg.init, model, progress=info.is_main), model, info)
+    init: dict[str, Any] = {}
+
+    def open_init(meta: nn.Module) -> None:
+        # a remote --init: this rank's shards are downloaded first (train.init_source); every
+        # shape is checked on the meta model, so a config.json larger than its tensors fails
+        # before a rank allocates its slice
+        init["ck"] = init_checkpoint(cfg.init, meta, progress=info.is_main)
+        check_init_shapes(init["ck"], meta)
+
+    reading = bool(cfg.init) and not resuming
+    model = build_model(cfg, info, overwritten=resuming or bool(cfg.init), layout=layout,
+                        before_alloc=open_init if reading else None)
+    if cfg.router_bias_update and not sigmoid_routers(model):
+        raise ModelConfigError(f"--router-bias-update moves the e_score_correction_bias of "
+                               f"sigmoid routers (DeepSeek-V3, Kimi K2, GLM-4.5); this "
+                               f"{model.config.family} model routes with "
+                               f"{model.config.router.kind!r}")
+    if reading:
+        load_init(init["ck"], model, info)  # before FSDP, into the plain EP-local tensors
     qat_state = None if cfg.qat_recipe.is_bf16 else QATState()
     report = prepare_qat(model, cfg, qat_state)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)

@@ -42,7 +42,7 @@ __all__ = ["ACT_CKPT_MODES", "CHANGEABLE", "EXPORTS", "FREE", "WANDB_MODES", "De
            "tiny"]
 
 ACT_CKPT_MODES = ("off", "full", "selective")
-EXPORTS = ("compressed-tensors", "bf16")
+EXPORTS = ("compressed-tensors", "bf16", "gpt-oss")
 WANDB_MODES = ("offline", "online", "disabled")
 
 def _path_text(v: Any) -> Any:
@@ -87,6 +87,12 @@ class TrainConfig:
     skip_nonfinite_steps: int = option(
         0, "skip up to N steps whose loss or gradient is NaN/Inf (no update, counted as "
         "skipped_steps); default 0: stop at the first, exit 2", ge=0, metavar="N", resume="free")
+    # DeepSeek-V3's auxiliary-loss-free balancing (workbench.train.router_bias); it changes the
+    # routing the run trains with, so a resume keeps it.
+    router_bias_update: float = option(
+        0.0, "sigmoid routers (DeepSeek-V3, Kimi K2, GLM-4.5): after every step move each "
+        "expert's e_score_correction_bias by RATE against its load (DeepSeek-V3 used 0.001); "
+        "default 0: the bias stays as the checkpoint has it", ge=0, metavar="RATE")
     val_every: int = option(10, "steps between validations; 0: none", ge=0, resume="free")
     val_batches: int = option(2, "batches per validation", ge=1, resume="changeable")
     ckpt_every: int = option(10, "steps between checkpoints; 0: only the final and preemption "
@@ -189,6 +195,11 @@ class TrainConfig:
             parse_qat_recipe(self.recipe, self.profile)
         except RecipeError as e:
             raise RecipeError(f"TrainConfig.recipe {self.recipe!r}: {e}") from None
+        if self.export == "gpt-oss" and (self.qat_recipe.weight is None
+                                         or self.qat_recipe.weight.fmt != "mxfp4"):
+            raise TrainConfigError(f"--export gpt-oss stores MXFP4 weights; recipe "
+                                   f"{self.recipe!r} trains another weight format (use --export "
+                                   "bf16)")
         if self.export == "compressed-tensors" and self.qat_recipe.weight is None:
             raise TrainConfigError(f"--export compressed-tensors packs the recipe's weight "
                                    f"format; recipe {self.recipe!r} has none (use --export bf16)")

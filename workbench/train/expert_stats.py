@@ -98,7 +98,9 @@ class ExpertStatsRecorder:
     # -- hooks (training steps only; validation runs in eval mode)
     def _count_hook(self, layer: int):
         def hook(module, args, output):
-            if module.training:
+            # activation checkpointing re-runs the router inside backward (a graph task is
+            # running then): counting that call too would double every load
+            if module.training and torch._C._current_graph_task_id() == -1:
                 idx = output[2].reshape(-1)
                 self.load[layer].index_add_(0, idx, torch.ones(idx.shape, dtype=torch.float64,
                                                                device=idx.device))

@@ -1,6 +1,9 @@
-"""Export a (possibly expert-parallel) workbench model as a Hugging Face Qwen3-MoE checkpoint.
+"""Export a (possibly expert-parallel) workbench model as a Hugging Face checkpoint of its family.
 
-Two layouts:
+Tensor names are transformers' for the family (`workbench.model.hf`); `config.json` is the
+family's transformers config (`workbench.arch.to_hf_config`). gpt-oss keeps its experts fused,
+so its "bf16" export and its native MXFP4 layout ("gpt-oss") are written by
+`workbench.train.export_gpt_oss`. For the other families, two layouts:
 - "bf16": every tensor in BF16 under transformers' names, experts per expert
   (`...mlp.experts.{e}.{gate,up,down}_proj.weight`, the on-disk layout transformers 5 reads).
 - "compressed-tensors": routed experts packed exactly as compressed-tensors 0.20.1 writes them
@@ -42,10 +45,11 @@ from workbench._io import atomic_write_json, fsync_path, new_file_mode, writing
 from workbench.arch import to_hf_config
 from workbench.formats import format_spec
 from workbench.model.experts import GroupedExperts
+from workbench.model.hf import hf_name
 from workbench.qat import convert, pack_master, prepared_report
 from workbench.recipe import parse_qat_recipe
 from workbench.scope import QuantScope, infer_class
-from workbench.train import export_folder
+from workbench.train import export_folder, export_gpt_oss
 from workbench.train.distributed import DistInfo, agree
 from workbench.train.export_folder import ExportFolderError
 from workbench.train.fsdp import reshard_
@@ -69,6 +73,9 @@ _CT_INPUT_ACTS = {
                    "strategy": "group", "dynamic": True, "scale_dtype": "torch.uint8"},
 }
 _PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+EXPORT_FORMATS = ("bf16", "compressed-tensors", "gpt-oss")
 
 
 class ExportError(ValueError):
@@ -115,6 +122,19 @@ def _pack(x: torch.Tensor, recipe, site=None):
     if site is None:
         return pack_master(x, recipe)
     return pack_master(x, recipe, site.reduction_dim)
+
+
+def _packer(model: nn.Module, wrecipe):
+    """pack(param name, whole [E, out, in] stack) -> QuantizedTensor, as `convert()` packs
+    the site when the model is prepared, else the codec with `wrecipe`."""
+    report = prepared_report(model)
+    sites = {s.name: s for s in report.converted} if report is not None else {}
+    recipe = report.recipe.weight if report is not None else wrecipe
+
+    def pack(name: str, stack: torch.Tensor):
+        return _pack(stack, recipe, sites.get(name))
+
+    return pack
 
 
 def _packed_experts(model: nn.Module, recipe, packed: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -188,13 +208,21 @@ def _expert_tensors(model: nn.Module, fmt: str, recipe, packed) -> dict[str, tor
     return out
 
 
+def dense_dtype(name: str) -> torch.dtype:
+    """What a dense tensor is stored as: BF16, except DeepSeek's e_score_correction_bias, which
+    the released checkpoints store and transformers keeps in fp32 (it moves in steps far below
+    BF16's resolution near its values)."""
+    return torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16
+
+
 def _dense_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     expert_mods = {n for n, _ in _experts_modules(model)}
+    family = model.config.family
     out = {}
     for name, p in model.named_parameters():  # a tied lm_head appears once, as the embedding
         if name.rpartition(".")[0] in expert_mods:
             continue
-        out[name] = p.detach().to(torch.bfloat16).contiguous()
+        out[hf_name(name, family)] = p.detach().to(dense_dtype(name)).contiguous()
     return out
 
 
@@ -281,8 +309,17 @@ def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
     export (copied before the swap, so an export never lacks them)."""
     from safetensors.torch import save_file
 
-    if fmt not in ("bf16", "compressed-tensors"):
-        raise ExportError(f"export format must be 'bf16' or 'compressed-tensors', got {fmt!r}")
+    if fmt not in EXPORT_FORMATS:
+        raise ExportError(f"export format must be one of {EXPORT_FORMATS}, got {fmt!r}")
+    family = model.config.family
+    fused = family == "gpt_oss"
+    if fmt == "gpt-oss" and not fused:
+        raise ExportError(f"--export gpt-oss writes gpt-oss's own layout; this model is "
+                          f"{family} (use --export compressed-tensors)")
+    if fused and fmt == "compressed-tensors":
+        raise ExportError("gpt-oss ships in its own MXFP4 layout, which transformers and the "
+                          "serving engines read (use --export gpt-oss); transformers has no "
+                          "compressed-tensors path for gpt-oss's fused experts")
     layout = getattr(model, "layout", None)
     fsdp = layout is not None and layout.fsdp
     if fsdp:
@@ -297,6 +334,12 @@ def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
     out_dir = Path(out_dir)
     tmp = out_dir.parent / f".tmp-{out_dir.name}"
     wrecipe = arecipe = None
+    if fmt == "gpt-oss":
+        qr = parse_qat_recipe(recipe or "mxfp4", profile)
+        wrecipe, arecipe = qr.weight, None
+        if wrecipe is None or wrecipe.fmt != "mxfp4":
+            raise ExportError(f"--export gpt-oss stores MXFP4 weights; recipe {recipe!r} "
+                              "trains another weight format (use --export bf16)")
     if fmt == "compressed-tensors":
         if recipe is None:
             raise ExportError("compressed-tensors export needs the recipe (mxfp4 or nvfp4)")
@@ -308,6 +351,14 @@ def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
             raise ExportError(f"recipe {recipe!r}: compressed-tensors has no dynamic activation "
                               f"scheme for {arecipe.fmt!r}; use --export bf16")
 
+    if fused:
+        if group is not None and not fsdp and dist.get_world_size(group) != dist.get_world_size():
+            raise ExportError("the gpt-oss export gathers experts over the world: the EP "
+                              "group must be the whole world")
+        if packed is not None:
+            raise ExportError("export_model(packed=...) is not taken by the gpt-oss export: it "
+                              "packs each layer's experts as they reach rank 0")
+
     # Every step that can fail runs on every rank of `group` between agreements, so a failure on
     # one rank (a full disk, a foreign folder in the way) stops all of them, none waits forever.
     info = DistInfo(rank, world, 0, torch.device("cpu"), group, False)
@@ -318,7 +369,13 @@ def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
         except (ExportFolderError, OSError) as e:
             err = e
     agree(info, err)
-    if fsdp:
+    if fused:
+        if fsdp:
+            reshard_(model)  # a no-grad forward can leave the root gathered: read the shards
+        failed: list[OSError] = []
+        entries = export_gpt_oss.write(model, tmp, fmt, _packer(model, wrecipe), failed=failed)
+        agree(info, failed[0] if failed else None)
+    elif fsdp:
         entries, err = _write_fsdp(model, layout, tmp, fmt, wrecipe)  # rank 0 alone writes
         agree(info, err)
     else:
@@ -361,6 +418,8 @@ def _finish(model, out_dir: Path, tmp: Path, entries, fmt, wrecipe, arecipe, sco
         os.chmod(tmp / shard, new_file_mode())  # read the export (nor vLLM under another user)
     shapes = {k: shape for _, keys, _ in entries for k, shape in keys.items()}
     hf_cfg = _hf_config(model)
+    if fmt == "gpt-oss":
+        hf_cfg["quantization_config"] = export_gpt_oss.quantization_config()
     if fmt == "compressed-tensors":
         if scope is None:
             scope = QuantScope.preset("routed-experts", str(wrecipe))
@@ -439,6 +498,7 @@ def _write_fsdp(model: nn.Module, layout, tmp: Path, fmt: str, wrecipe
     wr = report.recipe.weight if report is not None else wrecipe
     experts = _experts_modules(model)
     expert_mods = {n for n, _ in experts}
+    family = model.config.family
     dense = [(n, p) for n, p in model.named_parameters()  # a tied lm_head appears once
              if n.rpartition(".")[0] not in expert_mods]
     device = next(model.parameters()).device
@@ -448,7 +508,8 @@ def _write_fsdp(model: nn.Module, layout, tmp: Path, fmt: str, wrecipe
         shard = f"model-{k + 1:05d}-of-{ep:05d}.safetensors"
         units: list[tuple[str, Any, dict]] = []
         if k == 0:
-            units += [("dense", (n, p), {n: (torch.bfloat16, tuple(p.shape))}) for n, p in dense]
+            units += [("dense", (n, p), {hf_name(n, family): (dense_dtype(n), tuple(p.shape))})
+                      for n, p in dense]
         for n, m in experts:
             names: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
             for w, proj in _PROJ.items():
@@ -465,7 +526,7 @@ def _write_fsdp(model: nn.Module, layout, tmp: Path, fmt: str, wrecipe
                 n, p = obj
                 full = _full(p)  # every rank: a collective over the world
                 if writer is not None:
-                    writer.write(n, full.detach().to(torch.bfloat16))
+                    writer.write(hf_name(n, family), full.detach().to(dense_dtype(n)))
                 del full
                 continue
             n, m = obj

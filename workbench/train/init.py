@@ -1,24 +1,23 @@
-"""`--init CKPT`: start from a BF16 or packed HF Qwen3-MoE checkpoint through the DCP reader.
+"""`--init CKPT`: start from a BF16 or packed checkpoint of any supported family.
 
-`workbench.checkpoint.dcp.CheckpointStorageReader` serves dense tensors under their HF names and
-routed experts as stacks `layers.{L}.experts.{gate|up|down}` [E, out, in], decoded to BF16.
-Each rank asks only for its local experts (`LocalChunkLoadPlanner` with the rank's expert
-offset), so no rank reads, decodes or holds experts it does not own. Values land in the model's
-parameters in place (the parameters stay the same objects).
+The model is built from the checkpoint's config.json (`workbench.train.build.model_config`),
+EP-sliced, then filled here by `workbench.model.load_pretrained_`, the path `from_pretrained`
+takes: each rank reads and decodes only its own experts (packed experts decoded exactly by the
+checkpoint reader), values land in the model's parameters in place (the parameters stay the
+same objects), before QAT and FSDP. A remote --init arrives opened, its shards for this rank
+downloaded (`workbench.train.init_source`). Weights holding NaN/Inf stop the run on every rank.
 """
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from workbench.checkpoint import Checkpoint
-from workbench.checkpoint.dcp import CheckpointStorageReader, LocalChunkLoadPlanner
-from workbench.model.experts import GroupedExperts
+from workbench.checkpoint import Checkpoint, open_checkpoint
+from workbench.model import GroupedExperts, PretrainedError, check_pretrained, load_pretrained_
+from workbench.model.hf import hf_name
 from workbench.train.distributed import DistInfo, all_reduce_sum
 
 _PROJ = {"w1": "gate", "w3": "up", "w2": "down"}
@@ -28,66 +27,51 @@ class InitError(ValueError):
     """The --init checkpoint does not fit the model; the message names the tensor."""
 
 
-def init_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
-    """(DCP state dict of parameter storages, expert-stack offsets) for this rank."""
-    sd: dict[str, torch.Tensor] = {}
-    offsets: dict[str, tuple] = {}
-    tied = getattr(model.config, "tie_embeddings", False)
-    for mod_name, module in model.named_modules():
-        for p_name, p in module.named_parameters(recurse=False):
-            name = f"{mod_name}.{p_name}" if mod_name else p_name
-            if isinstance(module, GroupedExperts):
-                # mod_name = model.layers.{L}.mlp.experts
-                layer = int(mod_name.split(".")[2])
-                key = f"layers.{layer}.experts.{_PROJ[p_name]}"
-                sd[key] = p.data
-                offsets[key] = (module.expert_offset, 0, 0)
-            elif tied and name == "lm_head.weight":
-                continue
-            else:
-                sd[name] = p.data
-    return sd, offsets
+def _opened(path: str | Path | Checkpoint) -> Checkpoint:
+    return path if isinstance(path, Checkpoint) else open_checkpoint(path)
+
+
+def check_init_shapes(path: str | Path | Checkpoint, model: nn.Module) -> None:
+    """InitError unless every parameter of `model` (a meta-device model is fine) has its tensor,
+    of its shape, in the checkpoint; reads only the index."""
+    try:
+        check_pretrained(model, _opened(path))
+    except PretrainedError as e:
+        raise InitError(f"--init {e}") from e
 
 
 @torch.no_grad()
 def load_init(path: str | Path | Checkpoint, model: nn.Module, info: DistInfo) -> dict:
-    """Collective: fill `model` from the HF checkpoint at `path` (or an opened one, e.g.
-    `workbench.train.init_source.init_checkpoint`); returns read statistics."""
-    reader = CheckpointStorageReader(path)
-    path = reader.ck.source.label()
-    md = reader.read_metadata().state_dict_metadata
-    sd, offsets = init_state_dict(model)
-    for name, t in sd.items():
-        if name not in md:
-            raise InitError(f"--init {path}: the checkpoint has no tensor {name!r}")
-        size = tuple(md[name].size)
-        want = tuple(t.shape) if name not in offsets else (size[0], *t.shape[1:])
-        if size != want:
-            raise InitError(f"--init {path}: {name} is {size} in the checkpoint, the model needs "
-                            f"{want}")
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(sd, storage_reader=reader, planner=LocalChunkLoadPlanner(offsets),
-                 process_group=info.group, no_dist=info.group is None)
-    _refuse_nonfinite(path, sd, offsets, info)
-    return {"bytes_read": reader.bytes_read, "items_read": reader.items_read}
+    """Collective: fill `model` from the checkpoint at `path` (or an opened one, e.g.
+    `workbench.train.init_source.init_checkpoint`); returns read statistics ({"bytes_read":
+    stored bytes this rank read, "items_read": tensors})."""
+    ck = _opened(path)
+    try:
+        stats = load_pretrained_(model, ck, progress=info.is_main)
+    except PretrainedError as e:
+        raise InitError(f"--init {e}") from e
+    _refuse_nonfinite(ck.source.label(), model, info)
+    return stats
 
 
-def _refuse_nonfinite(path, sd: dict[str, torch.Tensor], offsets: dict[str, tuple],
-                      info: DistInfo) -> None:
+def _refuse_nonfinite(path, model: nn.Module, info: DistInfo) -> None:
     """Collective: InitError on every rank when any rank's loaded weights hold NaN/Inf (one
     isfinite pass over what this rank loaded; the flag is all-reduced so no rank trains on)."""
     found = ""
-    for name, t in sd.items():
-        bad = ~torch.isfinite(t)
+    for name, t in model.named_parameters():
+        bad = ~torch.isfinite(t.detach())
         if not bool(bad.any()):
             continue
         n = int(bad.sum())
-        if name in offsets:  # an expert stack [E_local, out, in]: name the expert
-            e = int(bad.flatten(1).any(1).nonzero()[0]) + offsets[name][0]
-            found = f"{name} expert {e} holds {n} NaN/Inf values"
+        module = model.get_submodule(name.rpartition(".")[0])
+        leaf = name.rpartition(".")[2]
+        if isinstance(module, GroupedExperts):  # a local expert stack: name the global expert
+            e = int(bad.flatten(1).any(1).nonzero()[0]) + module.expert_offset
+            layer = name.split(".")[2]
+            found = (f"layers.{layer}.experts.{_PROJ.get(leaf, leaf)} expert {e} holds {n} "
+                     "NaN/Inf values")
         else:
-            found = f"{name} holds {n} NaN/Inf values"
+            found = f"{hf_name(name, model.config.family)} holds {n} NaN/Inf values"
         break
     flag = all_reduce_sum(torch.tensor([1.0 if found else 0.0], dtype=torch.float64,
                                        device=info.device), info)

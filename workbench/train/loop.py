@@ -60,6 +60,7 @@ from workbench.train.fqtime import FakeQuantTimer
 from workbench.train.memory import SavedTensorMeter, state_bytes
 from workbench.train.metrics import METRICS_FILE, MetricsWriter, truncate_metrics
 from workbench.train.resume_config import checkpoint_meta
+from workbench.train.router_bias import update_router_biases_
 from workbench.train.startup import OpenRun, open_run
 
 _stop_requested = False
@@ -272,6 +273,8 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
         _clip_(model, norm, cfg.grad_clip)
         opt.step()
         sched.step()
+        if cfg.router_bias_update:  # DeepSeek-V3's balancing from this step's global loads
+            update_router_biases_(model, res.router_logits, cfg.router_bias_update, info.group)
     mem = {**state_bytes(model, opt), "mem_activations_bytes": meter.bytes} if measure_memory \
         else {}
     if mem and teacher is not None:  # the frozen teacher's weights this rank holds

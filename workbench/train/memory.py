@@ -48,57 +48,138 @@ class ParamCounts:
         return self.dense + self.experts_total * num_experts
 
 
+def attention_params(cfg: MoEConfig) -> int:
+    """Parameters of one attention block (`workbench.model.attention`): GQA with its optional
+    biases, q/k norms and sinks, or MLA with its LoRA projections and their norms."""
+    a, D, H = cfg.attention, cfg.hidden_size, cfg.num_heads
+    if a.kind == "mla":
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+        if a.q_lora_rank:
+            q = D * a.q_lora_rank + a.q_lora_rank * (2 if a.qkv_bias else 1) + a.q_lora_rank * H * qk
+        else:
+            q = D * H * qk
+        kv_a = a.kv_lora_rank + a.qk_rope_head_dim
+        kv = D * kv_a + (kv_a if a.qkv_bias else 0) + a.kv_lora_rank \
+            + a.kv_lora_rank * H * (a.qk_nope_head_dim + a.v_head_dim)
+        return q + kv + H * a.v_head_dim * D + (D if a.o_bias else 0)
+    Dh, G = cfg.head_dim, cfg.num_kv_heads
+    n = D * Dh * (H + 2 * G) + H * Dh * D
+    n += Dh * (H + 2 * G) if a.qkv_bias else 0
+    n += D if a.o_bias else 0
+    n += 2 * Dh if a.qk_norm else 0
+    return n + (H if a.sinks else 0)
+
+
 def param_counts(cfg: MoEConfig) -> ParamCounts:
     """Parameter counts of `workbench.model.MoEForCausalLM(cfg)`, from the config alone."""
-    D, Dh = cfg.hidden_size, cfg.head_dim
-    attn = D * Dh * (cfg.num_heads + 2 * cfg.num_kv_heads) + cfg.num_heads * Dh * D + 2 * Dh
+    D, E = cfg.hidden_size, cfg.num_experts
     norms = 2 * D
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
     dense_layers = cfg.num_layers - moe_layers
-    moe_dense = cfg.num_experts * D  # router
+    # router weight, gpt-oss's logit bias, DeepSeek's e_score_correction_bias
+    moe_dense = E * D + (E if cfg.router.bias else 0) + (E if cfg.router.kind == "sigmoid" else 0)
     if cfg.shared_expert_ffn:
         moe_dense += 3 * D * cfg.shared_expert_ffn + (D if cfg.shared_expert_gate else 0)
-    dense = (cfg.num_layers * (attn + norms) + moe_layers * moe_dense
+    dense = (cfg.num_layers * (attention_params(cfg) + norms) + moe_layers * moe_dense
              + dense_layers * 3 * D * cfg.dense_ffn
              + cfg.vocab_size * D * (1 if cfg.tie_embeddings else 2) + D)
-    return ParamCounts(dense=dense, expert=3 * D * cfg.expert_ffn, moe_layers=moe_layers)
+    expert = 3 * D * cfg.expert_ffn + ((2 * cfg.expert_ffn + D) if cfg.experts.bias else 0)
+    return ParamCounts(dense=dense, expert=expert, moe_layers=moe_layers)
 
 
 def _swiglu_floats(d: int, f: int) -> int:
-    # input (shared with the norm), gate out, silu out, up out, product (saved by down_proj)
+    # gate out (silu's input), silu out, up out, product (saved by down_proj)
     return 4 * f
+
+
+def _attention_floats(cfg: MoEConfig) -> float:
+    """Words one attention block saves per token, its input included.
+
+    GQA: the input (q/k/v projections) D; with q/k norms, each projection's output, the
+    normalised value and the rsqrt: 2 HqDh + Hq and 2 GDh + G; SDPA's q, k, v and output
+    (2 Hq + 2 G) P and logsumexp Hq, with P = Dh, or Dh + 8 where sinks widen the heads
+    (`workbench.model.attention.attend`); RoPE multiplies by cos/sin, which need no gradient,
+    so it saves only them. o_proj's input is a view of the SDPA output, except after sinks or a
+    partial rotary (the heads come out in another layout): a copy, Hq Dh.
+    MLA: the input D; with a q LoRA, q_a's output, the normalised value, q_a_layernorm's output
+    and the rsqrt 3 Lq + 1; kv_a's output (Lkv + R) and likewise 2 Lkv + 1; SDPA's q, k, values
+    (padded to the q/k dim) and output 4 H (N + R), logsumexp H; o_proj's input copy H V."""
+    a, D, H = cfg.attention, cfg.hidden_size, cfg.num_heads
+    if a.kind == "mla":
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+        q = 3 * a.q_lora_rank + 1 if a.q_lora_rank else 0
+        kv = 3 * a.kv_lora_rank + a.qk_rope_head_dim + 1
+        return D + q + kv + 4 * H * qk + H + H * a.v_head_dim
+    Dh, G = cfg.head_dim, cfg.num_kv_heads
+    norms = (2 * H * Dh + H + 2 * G * Dh + G) if a.qk_norm else 0
+    P = Dh + (8 if a.sinks else 0)
+    copy = H * Dh if (a.sinks or cfg.rope.partial_factor != 1.0) else 0
+    return D + norms + (2 * H + 2 * G) * P + H + copy
+
+
+def _router_floats(cfg: MoEConfig) -> float:
+    """Words a router saves per token (its input is the MoE block's, counted there).
+    softmax: probabilities E, top-k ids 2K, renormalisation K + 1. top-k softmax (gpt-oss): ids
+    2K, the softmax of the k logits K. sigmoid: scores E, group top-2 and group top-k ids
+    2 (2N + topk_group) and the group mask E/4 (bool) when grouped, ids 2K, the renormalisation
+    K + 1."""
+    r, E, K = cfg.router, cfg.num_experts, cfg.top_k
+    if r.kind == "topk_softmax":
+        return 3 * K
+    if r.kind == "sigmoid":
+        grouped = 2 * (2 * r.n_group + r.topk_group) + E / 4 if r.n_group > 1 else 0
+        return E + grouped + 2 * K + (K + 1 if cfg.norm_topk_prob else 0)
+    return E + 2 * K + (K + 1 if cfg.norm_topk_prob else 0)
+
+
+def _expert_floats(cfg: MoEConfig) -> float:
+    """Words per routed assignment: the gathered row D, the activation's saves, the down
+    output D, the weight 1, gather, scatter and slot ids 2 + 2 + 2. SwiGLU: gate/silu/up/
+    product 4F. gpt-oss's clamped SwiGLU: gate and up before the clamps, the clamped gate, its
+    sigmoid, the gated value, up + 1 and the product 7F."""
+    F = cfg.expert_ffn
+    act = 7 * F if cfg.experts.activation == "clamped_swiglu" else 4 * F
+    return 2 * cfg.hidden_size + act + 7
+
+
+def mask_floats(cfg: MoEConfig, seq: int) -> float:
+    """Words the attention masks of one step hold, whatever the batch: SDPA keeps each masked
+    layer's [S, S (+1 with sinks)] mask, as an fp32 additive bias, for backward. Layers with a
+    sliding window or sinks take a mask; the others run SDPA's causal kernels, which take none."""
+    a = cfg.attention
+    if a.kind == "mla" or not (a.sinks or a.layer_types):
+        return 0.0
+    cols = seq + (1 if a.sinks else 0)
+    masked = sum(1 for i in range(cfg.num_layers) if a.sinks or a.window(i))
+    return float(masked * seq * cols)
 
 
 def activation_floats_per_token(cfg: MoEConfig, act_ckpt: str = "off") -> dict[str, float]:
     """4-byte words autograd saves per token on the fp32 (CPU) path: 'layers' and 'head' are kept
     from forward to backward, 'recompute' is the working set of re-running one checkpointed layer.
+    (Attention masks, a per-step amount, are `mask_floats`.)
 
-    Index tensors (int64) count as two words. Derivation per decoder layer, in code order: input
-    RMSNorm 2D+1 (input, normalised, rsqrt); q: proj out, q_norm's normalised output and the
-    rotated q: 3 HqDh + Hq (RoPE multiplies by cos/sin, which need no gradient, so it saves only
-    them); k likewise 3 GDh + G; v GDh; SDPA output HqDh + logsumexp Hq, and the contiguous
-    copies of q, k, v it takes of the transposed heads (HqDh + 2 GDh); o_proj's input is a view
-    of the SDPA output (no copy); post-attention RMSNorm 2D+1. MoE: router softmax probs E,
-    top-k ids 2K, renormalisation K+1, the balancing loss's softmax E and ids 2K; per assignment
-    (K per token): gathered rows D, gate/silu/up/product 4F, down output D (the combine saves
-    only indices), the weight 1, gather, scatter and slot ids 2+2+2. Dense FFN layers: 4F; a
-    shared expert 4F, its sigmoid gate D + 2.
+    Index tensors (int64) count as two words. Per decoder layer, in code order: input RMSNorm
+    2D+1 (input, normalised, rsqrt; its output is counted by the block that saves it), attention
+    (`_attention_floats`), post-attention RMSNorm 2D+1. MoE: the block's input D, the router
+    (`_router_floats`), and per assignment (K per token) `_expert_floats`; the balancing loss's
+    softmax E and ids 2K (softmax routers). Dense FFN layers: the input D and 4F; a shared
+    expert 4F, its sigmoid gate D + 2.
     """
     if act_ckpt not in ACT_CKPT_MODES:
         raise ValueError(f"activation checkpointing {act_ckpt!r} is not one of {ACT_CKPT_MODES}")
     D, Dh, Hq, G = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     E, K, F = cfg.num_experts, cfg.top_k, cfg.expert_ffn
-    attn = (2 * D + 1) + (3 * Hq * Dh + Hq) + (3 * G * Dh + G) + G * Dh + (Hq * Dh + Hq) \
-        + (2 * D + 1) + (Hq * Dh + 2 * G * Dh)
-    moe = (E + 2 * K + K + 1) + K * (2 * D + 4 * F + 7)
+    attn = (2 * D + 1) + _attention_floats(cfg) + (2 * D + 1)
+    moe = D + _router_floats(cfg) + K * _expert_floats(cfg)
     # The balancing loss runs after the layers, on each MoE layer's router logits: its softmax
     # and top-k ids stay saved whatever the checkpointing.
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-    balancing = n_moe * (E + 2 * K)
+    balancing = n_moe * (E + 2 * K) if cfg.router.kind != "sigmoid" else 0
     if cfg.shared_expert_ffn:
         # the gate's sigmoid (1 + 1) and the shared output it multiplies (D)
         moe += _swiglu_floats(D, cfg.shared_expert_ffn) + (D + 2 if cfg.shared_expert_gate else 0)
-    dense_ffn = _swiglu_floats(D, cfg.dense_ffn)
+    dense_ffn = D + _swiglu_floats(D, cfg.dense_ffn)
     per_layer = [attn + (moe if cfg.is_moe_layer(i) else dense_ffn) for i in range(cfg.num_layers)]
     recompute = 0.0
     if act_ckpt == "full":
@@ -119,7 +200,7 @@ def activation_floats_per_token(cfg: MoEConfig, act_ckpt: str = "off") -> dict[s
         kept = sum(per_layer)
     # RoPE cos/sin (shared by all layers), embedding ids, final norm (input, normalised, rsqrt)
     # and its output (lm_head's input), log-softmax of the logits and the labels.
-    head = 2 * Dh + 2 + (3 * D + 1) + cfg.vocab_size + 2 + balancing
+    head = 2 * cfg.rope_dim + 2 + (3 * D + 1) + cfg.vocab_size + 2 + balancing
     return {"layers": float(kept), "head": float(head), "recompute": float(recompute)}
 
 
@@ -207,13 +288,18 @@ def rank_memory(cfg: MoEConfig, *, world: int, ep: int, fsdp: int = 1, batch: in
     bytes_per_word = 2.5 if gpu else 4.0
     per_token = (words["layers"] + words["head"] + words["recompute"]) * bytes_per_word
     tokens = batch * seq / world
+    masks = mask_floats(cfg, seq)
+    if act_ckpt == "full" and masks:  # one layer's mask lives at a time
+        masks /= sum(1 for i in range(cfg.num_layers)
+                     if cfg.attention.sinks or cfg.attention.window(i))
     qat_copies = 0
     if qat:
         local = counts.expert * local_experts * (1 if act_ckpt != "off" else counts.moe_layers)
         qat_copies = int(local * (2 if gpu else 4))
     return RankMemory(params_compute=int(compute), masters=int(4 * p_local),
                       grads=int(4 * p_local), optimizer=int(8 * p_local),
-                      activations=int(per_token * tokens), activations_per_token=per_token,
+                      activations=int(per_token * tokens + masks * bytes_per_word),
+                      activations_per_token=per_token,
                       qat_copies=qat_copies, fsdp_buffers=fsdp_buffers)
 
 

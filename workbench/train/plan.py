@@ -16,11 +16,10 @@ measured forward.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workbench.arch import PRESETS, MoEConfig, from_hf_config, preset
+from workbench.arch import PRESETS, ModelConfigError, MoEConfig, from_checkpoint, preset
 from workbench.source import SourceError, resolve
 from workbench.train.memory import ACT_CKPT_MODES, GIB, RankMemory, param_counts, rank_memory
 
@@ -100,9 +99,14 @@ class Plan:
                 ("fake-quantized expert weights (QAT)", m.qat_copies),
                 ("FSDP2 buffers (prefetch, unsharded grads, fp32 reduce)", m.fsdp_buffers),
                 ("total", m.total)]
+        cfg = self.config
+        mtp = (f"; the checkpoint's {cfg.mtp_layers} multi-token-prediction layer(s) are not "
+               "part of it" if cfg.mtp_layers else "")
         lines = [(f"model: {total / 1e9:.2f}B parameters ({counts.dense / 1e9:.2f}B dense, "
-                 f"{counts.experts_total * self.config.num_experts / 1e9:.2f}B in "
-                 f"{self.config.num_experts} experts x {counts.moe_layers} MoE layers)"),
+                 f"{counts.experts_total * cfg.num_experts / 1e9:.2f}B in "
+                 f"{cfg.num_experts} experts x {counts.moe_layers} MoE layers)"),
+                 (f"family: {cfg.family}, {cfg.attention.kind.upper()} attention, "
+                  f"{cfg.router.kind} router, {cfg.experts.activation} experts{mtp}"),
                  f"activations: {m.activations_per_token / 2**10:.1f} KiB per token per rank",
                  f"{'per rank':<60} {'GiB':>9}"]
         lines += [f"{name:<60} {b / GIB:>9.2f}" for name, b in rows]
@@ -203,21 +207,19 @@ def plan(model_config: MoEConfig, nodes: int, gpus_per_node: int, gpu_mem_gib: f
 
 def model_config_of(source: str) -> MoEConfig:
     """A model preset name, or a checkpoint (folder or hub id ``org/name[@revision]``,
-    `workbench.source.resolve`) with a Qwen3-MoE `config.json`."""
+    `workbench.source.resolve`) whose config.json describes a supported family
+    (`workbench.arch.from_checkpoint`)."""
     if source in PRESETS:
         return preset(source)
     try:
         src = resolve(source, need="config")
     except SourceError as e:
         raise PlanError(str(e)) from None
-    path = Path(src.path if src.path is not None else source) / "config.json"
-    if not path.is_file():
+    folder = Path(src.path if src.path is not None else source)
+    if not (folder / "config.json").is_file():
         raise PlanError(f"{source}: neither a model preset ({', '.join(sorted(PRESETS))}) nor a "
                         "folder with config.json")
-    if path.stat().st_size > 1 << 20:
-        raise PlanError(f"{path}: larger than 1 MiB, not a model config")
     try:
-        raw = json.loads(path.read_text())
-        return from_hf_config(raw)
-    except (ValueError, TypeError, KeyError) as e:
-        raise PlanError(f"{path}: {e}") from None
+        return from_checkpoint(folder)
+    except ModelConfigError as e:
+        raise PlanError(str(e)) from None

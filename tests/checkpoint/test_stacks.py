@@ -1,8 +1,9 @@
-"""The stack loader of the batched paths (``fast._read_grid_stack``: members read straight into
-one buffer per part) against the per-member path it replaces, ``batched.stack_grids`` of
-``stored_grid``, bit for bit, on checkpoints of every grid layout: the held-in ones written by
-their own libraries (tests/checkpoint/oracles.py) and our writers (tests/checkpoint/writers.py),
-including E8M0-typed scales and gpt-oss's [.., K/32, 16] blocks with interleaved gate/up rows.
+"""The stack readers (``checkpoint.stacks``, ``checkpoint.windows``, ``checkpoint.stream``):
+preadv (members read straight into one buffer per part) and the window reader (stacks cut out of
+spans read front to back) against the per-member path, ``stack_grids`` of ``stored_grid``, bit
+for bit, on checkpoints of every grid layout: the held-in ones written by their own libraries
+(tests/checkpoint/oracles.py) and our writers (tests/checkpoint/writers.py), including
+E8M0-typed scales and gpt-oss's [.., K/32, 16] blocks with interleaved gate/up rows.
 """
 
 from __future__ import annotations
@@ -14,18 +15,38 @@ from pathlib import Path
 
 import pytest
 import torch
-from analysis_ckpts import LIBRARY_LAYOUTS
 from safetensors.torch import load_file, save_file
 
-from workbench.analysis import batched, fast, stored_vs_recipes
 from workbench.checkpoint import index as index_mod
 from workbench.checkpoint import open_checkpoint
-from workbench.checkpoint.errors import CorruptShardError
 from workbench.checkpoint.grid import stored_grid
+from workbench.checkpoint.layouts import FMT_OF_CODEC
+from workbench.checkpoint.stacks import (
+    ReadPlan,
+    Stager,
+    grid_codec,
+    load_stack,
+    plan_batches,
+    read_grid_stack,
+    signature,
+    stack_grids,
+)
+from workbench.checkpoint.stream import Source, stream_stacks
+from workbench.checkpoint.windows import (
+    WINDOW_ALIGN,
+    load_window,
+    plan_windows,
+    side_stacks,
+    window_parts,
+    window_plan,
+    window_stack,
+)
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoint"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "analysis"))
+from analysis_ckpts import LIBRARY_LAYOUTS  # the held-in checkpoints of every layout
 
 CPU = torch.device("cpu")
+STAGE = Stager(CPU)
 
 
 def _e8m0(write):
@@ -70,11 +91,11 @@ def ck(request, tmp_path_factory):
 
 def _batches(ck, limit: int) -> list[list]:
     """The grid records in the batches the pipeline forms with ``limit`` elements a stack."""
-    recs = [r for r in ck.expert_records() if fast._grid_codec(ck, r)]
+    recs = [r for r in ck.expert_records() if grid_codec(ck, r)]
     assert recs
     sizes = [r.shape[0] * r.shape[1] for r in recs]
     return [[recs[i] for i in b] for b in
-            fast.plan_batches([fast._signature(ck, r) for r in recs], sizes, limit)]
+            plan_batches([signature(ck, r) for r in recs], sizes, limit)]
 
 
 def _same(a, b) -> bool:
@@ -96,10 +117,10 @@ def test_stack_equals_stack_grids_of_stored_grid(ck, limit):
     member's host grid (the compiled CPU pass takes those)."""
     for recs in _batches(ck, limit):
         want = [stored_grid(ck, r) for r in recs]
-        stack, host = fast._read_grid_stack(ck, recs, CPU)
-        assert _same_grid(stack, batched.stack_grids(want)), [r.key for r in recs]
-        assert len(host) == len(recs)
-        for g, w, r in zip(host, want, recs):
+        got = read_grid_stack(ck, recs, STAGE)
+        assert _same_grid(got.grid, stack_grids(want)), [r.key for r in recs]
+        assert len(got.host_grids) == len(recs)
+        for g, w, r in zip(got.host_grids, want, recs):
             assert _same_grid(g, w), r.key
 
 
@@ -113,39 +134,36 @@ def test_reads_go_straight_to_the_file_and_count_the_same_bytes(ck, monkeypatch)
     batches = _batches(ck, 1 << 30)
     ck.index.stats.reset()
     for recs in batches:
-        batched.stack_grids([stored_grid(ck, r) for r in recs])
+        stack_grids([stored_grid(ck, r) for r in recs])
     old = (ck.index.stats.bytes_read, dict(ck.index.stats.per_tensor))
     assert not calls
     ck.index.stats.reset()
     for recs in batches:
-        fast._read_grid_stack(ck, recs, CPU)
+        read_grid_stack(ck, recs, STAGE)
     assert (ck.index.stats.bytes_read, ck.index.stats.per_tensor) == old
     strided = sum(2 for recs in batches for r in recs if r.row_stride != 1)
     members = sum(len(recs) for recs in batches)
     assert len(calls) == 2 * members - strided > 0
 
 
-def test_load_stack_same_under_both_readers(ck, monkeypatch):
+def test_load_stack_same_under_every_reader(ck):
     for recs in _batches(ck, 1 << 30):
-        monkeypatch.setattr(fast, "READER", "safetensors")
-        old = fast.load_stack(ck, recs, CPU)
-        monkeypatch.setattr(fast, "READER", "preadv")
-        new = fast.load_stack(ck, recs, CPU)
-        assert _same_grid(new.grid, old.grid)
-        assert all(_same_grid(a, b) for a, b in zip(new.host_grids, old.host_grids, strict=True))
-    monkeypatch.setattr(fast, "READER", "auto")
-    old_auto = fast.load_stack(ck, recs, CPU)
-    assert _same_grid(old_auto.grid, old.grid)
-    monkeypatch.setattr(fast, "READER", "mmap")
-    with pytest.raises(ValueError, match=fast.READER_ENV):
-        fast.load_stack(ck, recs, CPU)
+        old = load_stack(ck, recs, STAGE, "safetensors")
+        for reader in ("preadv", "window"):  # the window reader's leftovers go through preadv
+            new = load_stack(ck, recs, STAGE, reader)
+            assert _same_grid(new.grid, old.grid)
+            assert all(_same_grid(a, b)
+                       for a, b in zip(new.host_grids, old.host_grids, strict=True))
+    with pytest.raises(ValueError, match="reader must be one of"):
+        load_stack(ck, recs, STAGE, "mmap")
+    with pytest.raises(ValueError, match="reader must be one of"):
+        ReadPlan("mmap", 1, 1, 1, 1)
 
 
 def _windows(ck, window_bytes: int, limit: int = 1 << 30, dense: bool = False):
-    recs = [r for r in ck.expert_records() if dense or fast._grid_codec(ck, r)]
-    plan = fast.Plan(limit, 1, 2, window_bytes)
-    return (recs, *fast.window_plan(ck, recs, [fast._signature(ck, r) for r in recs], plan,
-                                    dense))
+    recs = [r for r in ck.expert_records() if dense or grid_codec(ck, r)]
+    return (recs, *window_plan(ck, recs, [signature(ck, r) for r in recs], limit, window_bytes,
+                               dense))
 
 
 @pytest.mark.parametrize("window_bytes", [1 << 30, 3000, 1], ids=["one", "small", "none"])
@@ -159,23 +177,23 @@ def test_window_stacks_equal_stack_grids_of_stored_grid(ck, window_bytes):
     assert placed == list(range(len(recs)))
     for w in windows:
         assert sorted(i for b in w.batches for i in b) == sorted(w.items)
-        assert w.end - w.begin <= window_bytes and w.begin % fast.WINDOW_ALIGN == 0
-        buf, glob = fast._load_window(ck, w, recs, parts, CPU)
+        assert w.end - w.begin <= window_bytes and w.begin % WINDOW_ALIGN == 0
+        buf, glob = load_window(ck, w, recs, parts, STAGE)
         for b in w.batches:
-            got = fast._window_stack(ck, w, buf, glob, b, [recs[i] for i in b], parts, CPU)
+            got = window_stack(ck, w, buf, glob, b, [recs[i] for i in b], parts, STAGE)
             want = [stored_grid(ck, recs[i]) for i in b]
-            assert _same_grid(got.grid, batched.stack_grids(want)), [recs[i].key for i in b]
+            assert _same_grid(got.grid, stack_grids(want)), [recs[i].key for i in b]
             assert all(_same_grid(g, x) for g, x in zip(got.host_grids, want, strict=True))
     for i in rest:
         r, spec = recs[i], ck.spec(recs[i].name)
-        got = fast._window_parts(ck, r)
+        got = window_parts(ck, r)
         if got is None:
             files = {ck.index.entry(spec.part(k)).file for k in ("data", "scale")}
             assert r.row_stride != 1 or len(files) == 2, r.key
         else:
             lo = min(p.begin for p in got[1])
             hi = max(p.begin + p.nbytes for p in got[1])
-            assert hi - (lo - lo % fast.WINDOW_ALIGN) > window_bytes, r.key
+            assert hi - (lo - lo % WINDOW_ALIGN) > window_bytes, r.key
     if window_bytes == 1 << 30 and ck.index.files and len(ck.index.files) == 1:
         assert windows  # one shard: every contiguous record is windowed
 
@@ -186,69 +204,60 @@ def test_window_reads_count_the_asked_bytes_and_the_gaps(ck):
     recs, windows, _, parts = _windows(ck, 1 << 30)
     ck.index.stats.reset()
     for w in windows:
-        fast._load_window(ck, w, recs, parts, CPU)
+        load_window(ck, w, recs, parts, STAGE)
     asked = sum(p.nbytes for w in windows for i in w.items for p in parts[i])
     nvfp4_globals = sum(ck.index.stats.per_tensor.get(ck.spec(recs[i].name).part(
         "global_scale"), 0) for w in windows for i in w.items
-        if fast.FMT_OF_CODEC[ck.spec(recs[i].name).codec] == "nvfp4")
+        if FMT_OF_CODEC[ck.spec(recs[i].name).codec] == "nvfp4")
     assert ck.index.stats.bytes_read - nvfp4_globals == asked
     assert asked + ck.index.stats.gap_bytes == sum(w.end - w.begin for w in windows)
 
 
-@pytest.mark.parametrize("setting, device, reader", [
-    ("auto", "cuda", "window"), ("auto", "cpu", "safetensors"),  # what measured better where
-    ("safetensors", "cuda", "safetensors"), ("preadv", "cpu", "preadv"),  # a setting wins
-    ("preadv", "cuda", "preadv"), ("window", "cpu", "window"),
-])
-def test_reader_choice_per_device(monkeypatch, setting, device, reader):
-    monkeypatch.setattr(fast, "READER", setting)
-    assert fast.reader_for(torch.device(device)) == reader
-
-
-@pytest.mark.parametrize("reader", ["preadv", "window"])
-def test_truncated_shard_fails_the_table_naming_the_file(tmp_path, monkeypatch, reader):
+@pytest.mark.parametrize("reader", ["safetensors", "preadv", "window"])
+def test_a_truncated_shard_fails_the_stream_naming_the_file(tmp_path, reader):
     """A shard cut after the checkpoint was opened: the error from a read thread reaches the
-    caller as CorruptShardError naming the shard (no hang, no table of garbage)."""
+    caller as CorruptShardError naming the shard (no hang, no stack of garbage)."""
     import writers
 
-    monkeypatch.setattr(fast, "READER", reader)  # "auto" takes the older reader on CPU
+    from workbench.checkpoint.errors import CorruptShardError
 
     ck = open_checkpoint(writers.write_ct(tmp_path / "ck", "mxfp4", shards=1))
     shard = ck.index.files[0]
     os.truncate(shard, min(e.begin for e in ck.index.entries.values()
                            if e.name.endswith("weight_packed")) + 1)
-    with pytest.raises(CorruptShardError, match="truncated after the index was built") as ei:
-        stored_vs_recipes(ck, ["mxfp4:rceil"], progress=False, path="batched", device="cpu")
+    recs = [r for r in ck.expert_records() if grid_codec(ck, r)]
+    plan = ReadPlan(reader, 1 << 20, 2, 2, 16 << 20)
+    with pytest.raises(CorruptShardError) as ei:
+        for _ in stream_stacks([Source(ck, recs)], [signature(ck, r) for r in recs], plan, CPU):
+            pass
     assert ei.value.path == str(shard)
 
 
-def _load_in_child(ck, recs, q) -> None:
-    stack, _ = fast._read_grid_stack(ck, recs, CPU)
-    q.put(bytes(stack.data.reshape(-1).numpy()))
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
-def test_read_pool_works_in_a_forked_child(tmp_path):
-    """A child forked after the read pool started (a DataLoader worker, say) gets a pool of its
-    own: the inherited executor has no threads there and would never run a read."""
-    import multiprocessing as mp
-
-    import writers
-
-    ck = open_checkpoint(writers.write_ct(tmp_path / "ck", "mxfp4"))
-    recs = _batches(ck, 1 << 30)[0]
-    want = bytes(fast._read_grid_stack(ck, recs, CPU)[0].data.reshape(-1).numpy())
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    p = ctx.Process(target=_load_in_child, args=(ck, recs, q))
-    p.start()
-    try:
-        got = q.get(timeout=120)  # a guard against a hang, not a timing assertion
-    finally:
-        p.join(30)
-        if p.exitcode is None:
-            p.kill()
-    assert got == want and p.exitcode == 0
+@pytest.mark.parametrize("reader", ["safetensors", "preadv", "window"])
+@pytest.mark.parametrize("limit", [1 << 30, 3 * 96 * 64], ids=["whole", "threes"])
+def test_stream_gives_every_record_once_in_stacks_of_one_key(ck, reader, limit, monkeypatch):
+    """``stream_stacks``: each position in exactly one stack, the stacks of one key, each the
+    per-member path's stack bit for bit, under every reader; and the plan's reader is the one
+    that read: no preadv under safetensors, one per member part under preadv (strided rows are
+    copied from a read), one per span under the window reader (where windows form)."""
+    reads = []
+    real = index_mod._pread_full
+    monkeypatch.setattr(index_mod, "_pread_full", lambda *a: reads.append(a) or real(*a))
+    recs = [r for r in ck.expert_records() if grid_codec(ck, r)]
+    keys = [signature(ck, r) for r in recs]
+    seen = []
+    for batch, (got,) in stream_stacks([Source(ck, recs)], keys,
+                                       ReadPlan(reader, limit, 2, 2, 1 << 30), CPU):
+        assert len({keys[i] for i in batch}) == 1
+        assert _same_grid(got.grid, stack_grids([stored_grid(ck, recs[i]) for i in batch]))
+        seen += batch
+    assert sorted(seen) == list(range(len(recs)))
+    strided = sum(2 for r in recs if r.row_stride != 1)
+    windows, rest, _ = window_plan(ck, recs, keys, limit, 1 << 30)
+    want = {"safetensors": 0, "preadv": 2 * len(recs) - strided,
+            "window": len(windows) + 2 * len(rest) - sum(2 for i in rest
+                                                         if recs[i].row_stride != 1)}[reader]
+    assert len(reads) == want, (reader, len(reads), want)
 
 
 @pytest.mark.gpu
@@ -257,8 +266,9 @@ def test_cuda_stack_equals_stack_grids_of_stored_grid(ck):
     stack is the host path's bit for bit, and the host grids stay views of pinned memory."""
     dev = torch.device("cuda")
     for recs in _batches(ck, 1 << 30):
-        want = batched.stack_grids([stored_grid(ck, r) for r in recs])
-        stack, host = fast._read_grid_stack(ck, recs, dev)
+        want = stack_grids([stored_grid(ck, r) for r in recs])
+        got = read_grid_stack(ck, recs, Stager(dev))
+        stack, host = got.grid, got.host_grids
         assert stack.data.is_cuda and stack.scale.is_cuda
         assert all(g.data.is_pinned() and g.scale.is_pinned() for g in host)
         torch.cuda.synchronize()
@@ -282,7 +292,7 @@ def test_plan_windows_file_order_span_and_gap_rules():
              (A, 1200, 1264), (A, 4000, 4064), (B, 64, 128)]
     keys = ["g", "g", "g", None, "d", "g", "g", "g", "d"]
     sizes = [10] * len(spans)
-    wins, rest = fast.plan_windows(spans, keys, sizes, limit=20, window_bytes=1024, gap=1000,
+    wins, rest = plan_windows(spans, keys, sizes, limit=20, window_bytes=1024, gap=1000,
                                    file_rank={A: 0, B: 1})
     assert rest == [3, 5]  # no span; 1072 bytes > 1024
     got = [(w.file, w.begin, w.end, w.items) for w in wins]
@@ -292,10 +302,10 @@ def test_plan_windows_file_order_span_and_gap_rules():
     assert [w.batches for w in wins] == [[[2, 1], [4]], [[6]], [[7]], [[0], [8]]]
     assert [len(w) for w in wins] == [3, 1, 1, 2]
     # a smaller gap cuts 64 -> 512
-    wins, _ = fast.plan_windows(spans, keys, sizes, 20, 1024, gap=100, file_rank={A: 0, B: 1})
+    wins, _ = plan_windows(spans, keys, sizes, 20, 1024, gap=100, file_rank={A: 0, B: 1})
     assert [w.items for w in wins][:2] == [[2, 4], [1]]
     # the element limit cuts a key's run inside a window
-    wins, _ = fast.plan_windows(spans, keys, [15] * len(spans), 20, 1024, 1000, {A: 0, B: 1})
+    wins, _ = plan_windows(spans, keys, [15] * len(spans), 20, 1024, 1000, {A: 0, B: 1})
     assert wins[0].batches == [[2], [1], [4]]
 
 
@@ -305,11 +315,12 @@ def test_cuda_window_stacks_equal_stack_grids_of_stored_grid(ck):
     bits as the host path, no host grids (nothing on the GPU path uses them)."""
     dev = torch.device("cuda")
     recs, windows, _, parts = _windows(ck, 1 << 30)
+    stager = Stager(dev)
     for w in windows:
-        buf, glob = fast._load_window(ck, w, recs, parts, dev)
+        buf, glob = load_window(ck, w, recs, parts, stager)
         assert buf.is_cuda
         for b in w.batches:
-            got = fast._window_stack(ck, w, buf, glob, b, [recs[i] for i in b], parts, dev)
+            got = window_stack(ck, w, buf, glob, b, [recs[i] for i in b], parts, stager)
             assert got.grid.data.is_cuda and got.host_grids is None
 
             def cpu(t):
@@ -318,7 +329,7 @@ def test_cuda_window_stacks_equal_stack_grids_of_stored_grid(ck):
             g = dataclasses.replace(got.grid, data=cpu(got.grid.data), scale=cpu(got.grid.scale),
                                     global_scale=cpu(got.grid.global_scale),
                                     library_global=cpu(got.grid.library_global))
-            want = batched.stack_grids([stored_grid(ck, recs[i]) for i in b])
+            want = stack_grids([stored_grid(ck, recs[i]) for i in b])
             assert _same_grid(g, want), [recs[i].key for i in b]
 
 
@@ -338,14 +349,14 @@ def test_dense_window_stacks_equal_materialize(tmp_path):
         assert windows and sorted([i for w in windows for i in w.items] + rest) == \
             list(range(len(recs)))
         for w in windows:
-            buf, glob = fast._load_window(ck, w, recs, parts, CPU)
+            buf, glob = load_window(ck, w, recs, parts, STAGE)
             for b in w.batches:
-                got = fast._window_stack(ck, w, buf, glob, b, [recs[i] for i in b], parts, CPU)
+                got = window_stack(ck, w, buf, glob, b, [recs[i] for i in b], parts, STAGE)
                 if got.grid is None:
                     want = torch.stack([ck.view_of(recs[i]).materialize() for i in b])
                     assert _same(got.dense, want), [recs[i].key for i in b]
                 else:
-                    want = batched.stack_grids([stored_grid(ck, recs[i]) for i in b])
+                    want = stack_grids([stored_grid(ck, recs[i]) for i in b])
                     assert _same_grid(got.grid, want)
         f32 = [i for i, r in enumerate(recs)
                if (r.layer, r.expert, r.proj, r.kind) == (2, 3, "up", "routed")]
@@ -357,29 +368,28 @@ def test_dense_window_stacks_equal_materialize(tmp_path):
 @pytest.mark.parametrize("limit", [1 << 30, 3 * 96 * 64], ids=["whole", "threes"])
 def test_side_stacks_equal_load_stack(ck, limit, monkeypatch):
     """Question 2's stored side next to a reference window: one span when the batches' parts
-    lie close together, per batch otherwise; the stacks are load_stack's either way."""
-    monkeypatch.setattr(fast, "READER", "preadv")
-    recs = [r for r in ck.expert_records() if fast._grid_codec(ck, r)]
+    lie close together (one read of a small span), per batch otherwise; the stacks are
+    load_stack's either way."""
+    reads = []
+    real = index_mod._pread_full
+    monkeypatch.setattr(index_mod, "_pread_full", lambda *a: reads.append(a) or real(*a))
+    recs = [r for r in ck.expert_records() if grid_codec(ck, r)]
     sizes = [r.shape[0] * r.shape[1] for r in recs]
-    batches = fast.plan_batches([fast._signature(ck, r) for r in recs], sizes, limit)
-    spans = []
-    real = fast._load_window
-    monkeypatch.setattr(fast, "_load_window", lambda *a: spans.append(a[1]) or real(*a))
-    got = fast._side_stacks(ck, recs, batches, CPU, 1 << 30)
+    batches = plan_batches([signature(ck, r) for r in recs], sizes, limit)
+    got = side_stacks(ck, recs, batches, STAGE, 1 << 30, "preadv")
+    spans = len(reads)
     for b, g in zip(batches, got, strict=True):
-        want = fast.load_stack(ck, [recs[i] for i in b], CPU)
+        want = load_stack(ck, [recs[i] for i in b], STAGE, "preadv")
         assert _same_grid(g.grid, want.grid), [recs[i].key for i in b]
-    one_shard = all(fast._window_parts(ck, r) is not None for r in recs) and \
+    one_shard = all(window_parts(ck, r) is not None for r in recs) and \
         len(ck.index.files) == 1
-    assert len(spans) == (1 if one_shard else 0)
+    assert (spans == 1) == one_shard, spans  # the test checkpoints are far below SPAN_CHUNK
     # two records far apart (first and last) with everything between left out: per batch
-    spans.clear()
     far = [[0], [len(recs) - 1]]
-    for b, g in zip(far, fast._side_stacks(ck, recs, far, CPU, 1 << 30), strict=True):
-        assert _same_grid(g.grid, fast.load_stack(ck, [recs[i] for i in b], CPU).grid)
-    assert not spans or len(recs) <= 3
-    # a span is never larger than the window limit
-    spans.clear()
-    for b, g in zip(batches, fast._side_stacks(ck, recs, batches, CPU, 64), strict=True):
-        assert _same_grid(g.grid, fast.load_stack(ck, [recs[i] for i in b], CPU).grid)
-    assert not spans
+    reads.clear()
+    for b, g in zip(far, side_stacks(ck, recs, far, STAGE, 1 << 30, "preadv"), strict=True):
+        assert _same_grid(g.grid, load_stack(ck, [recs[i] for i in b], STAGE, "preadv").grid)
+    assert len(reads) > 1 or len(recs) <= 3
+    # a span is never larger than the window limit: per batch, as load_stack reads them
+    for b, g in zip(batches, side_stacks(ck, recs, batches, STAGE, 64, "preadv"), strict=True):
+        assert _same_grid(g.grid, load_stack(ck, [recs[i] for i in b], STAGE, "preadv").grid)

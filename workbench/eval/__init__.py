@@ -1,0 +1,63 @@
+"""Downstream evaluation of BF16, PTQ and QAT models side by side, with EleutherAI's lm-eval.
+
+    from workbench.eval import run
+    res = run(["runs/demo/init", "ptq:mxfp4@runs/demo/init", "runs/demo/run"],
+              tasks="wb_code_choice,wb_code_complete", out="runs/demo/eval")
+    res.table(); res.recovery
+
+Command line: ``workbench eval MODEL... --tasks T1,T2 [--limit N] --out DIR``. What a MODEL may
+be (checkpoint folder, ``ptq:RECIPE@PATH``, run folder, DCP checkpoint): `workbench.eval.refs`;
+how it is loaded: `workbench.eval.load`; results and recovery: `workbench.track.evals`;
+docs/eval.md has the definitions. lm-eval (extra ``eval``) is imported here and nowhere else.
+"""
+
+from workbench.eval.errors import EvalError
+from workbench.eval.harness import LM_EVAL_VERSION, HarnessOptions
+from workbench.eval.launch import EvalRequest, chain_eval
+from workbench.eval.load import Loaded, load
+from workbench.eval.refs import ModelRef, parse_model, parse_models
+from workbench.eval.runner import EvalResult, format_report, run
+from workbench.eval.ship import DEFAULT_TOLERANCE, ShipCheck, compare_samples, ship_check
+from workbench.eval.taskset import SHIPPED, TASKS_DIR, TaskSet, resolve_tasks
+from workbench.track.evals import (
+    GroupEval,
+    group_eval,
+    read_eval,
+    recovery,
+    recovery_table,
+    results_table,
+    retention,
+    wide_table,
+)
+
+__all__ = [
+    "DEFAULT_TOLERANCE",
+    "LM_EVAL_VERSION",
+    "SHIPPED",
+    "TASKS_DIR",
+    "EvalError",
+    "EvalRequest",
+    "EvalResult",
+    "GroupEval",
+    "HarnessOptions",
+    "Loaded",
+    "ModelRef",
+    "ShipCheck",
+    "TaskSet",
+    "chain_eval",
+    "compare_samples",
+    "format_report",
+    "group_eval",
+    "load",
+    "parse_model",
+    "parse_models",
+    "read_eval",
+    "recovery",
+    "recovery_table",
+    "resolve_tasks",
+    "results_table",
+    "retention",
+    "run",
+    "ship_check",
+    "wide_table",
+]
