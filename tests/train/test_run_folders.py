@@ -323,6 +323,8 @@ def test_every_top_level_file_of_a_run_is_declared():
     for name in (cli.WANDB_RUN_ID_FILE, datasets.DATA_JSON, expert_stats.FILE,
                  metrics.METRICS_FILE, "config.json", "result.json", "export", "checkpoints"):
         assert name in runfolder.TRAINER_ENTRIES, name
+    from workbench.eval.launch import EVAL_FOLDER
     from workbench.launch.handle import LAUNCH_FILE, RESULT_FILE
 
-    assert {LAUNCH_FILE, RESULT_FILE, "submitit", "attempts"} == set(runfolder.LAUNCH_ENTRIES)
+    assert {LAUNCH_FILE, RESULT_FILE, "submitit", "attempts", EVAL_FOLDER} == set(
+        runfolder.LAUNCH_ENTRIES)

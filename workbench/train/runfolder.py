@@ -57,11 +57,12 @@ SUBMIT_WAIT_S = 120.0
 _ATOMIC_TMP = re.compile(r"^\..+\.[A-Za-z0-9_]{6,}\.tmp$")
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
-# What the trainer writes at the top of its run folder (`--out`), and what the launcher adds.
+# What the trainer writes at the top of its run folder (`--out`), and what the launcher adds
+# (`eval`: the evaluation a submission chains after training, `workbench.eval.launch`).
 TRAINER_ENTRIES = ("config.json", "metrics.jsonl", "result.json", "data.json", "wandb_run_id",
                    "wandb", "checkpoints", "export", ".tmp-export", ".old-export",
                    "expert_stats.parquet")
-LAUNCH_ENTRIES = ("launch.json", "job_result.json", "submitit", "attempts")
+LAUNCH_ENTRIES = ("launch.json", "job_result.json", "submitit", "attempts", "eval")
 RUN_ENTRIES = TRAINER_ENTRIES + LAUNCH_ENTRIES
 _CHECKPOINT_ENTRY = re.compile(r"^(\.tmp-)?step_\d{8}$")
 
