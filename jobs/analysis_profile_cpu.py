@@ -1,7 +1,7 @@
 """Where a warm CPU process spends an analysis table's time: each question x format of
 jobs/bench_analysis.py (its checkpoints, built by its own ``build``), in one process, the second
 call timed and split into stages, against the plain sequential read of the same files and the
-time that 0.5x of that read (issue #20's goal) leaves per element.
+time that the goal of 0.5x of that read (docs/performance.md) leaves per element.
 
 Per cell: call 1 (``path="auto"``, warms the session: imports, any compile), then call 2 with
 the stage timers on, each call from a cold page cache (the checkpoints closed in between: their

@@ -6,7 +6,7 @@
 Builds the trainer's model and optimizer (`workbench.train.build`), times `train_step` (median
 after two warm-up steps) and `ExpertStatsRecorder.record` (median of 3, after one warm-up), with
 the device synchronised around each. The share is record / (every x step): the telemetry's cost
-averaged over an interval of `--every` steps, the issue's measure (goal: at most 2% at 50 steps
+averaged over an interval of `--every` steps, the budget's measure (goal: at most 2% at 50 steps
 on the GPU preset). Prints one table; with $OUT set, writes it as JSON there.
 """
 

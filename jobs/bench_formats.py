@@ -3,7 +3,7 @@
 Measures encode (``quantize`` vs torchao ``to_mx``), decode (``dequantize`` vs ``to_dtype``) and
 fake quantization (both chained) in GB/s of input (bf16 bytes read), on CPU and on a GPU when
 one is present, and checks on the way that both produce the same bytes. Exits non-zero when the
-reference is slower than torchao eager on CPU for [8, 1024, 2048] bf16 (issue 2's speed goal)
+reference is slower than torchao eager on CPU for [8, 1024, 2048] bf16 (the codecs' speed goal)
 unless ``--no-check``.
 
     python jobs/bench_formats.py                      # default shapes, CPU (+ GPU if present)

@@ -16,7 +16,7 @@ weights together with their per-expert amax; the table
 then adds the forward + backward span alone (CUDA events, between the optimizer's last kernel and
 the backward's), and the 1.05x goal is judged on that span.
 Goals on Hopper: QAT within 1.05x of BF16 for NVFP4, NVFP4+MXFP8 and MXFP4+MXFP8 weights
-(issue 19; 1.15x before, issue 8); on CPU the numbers only show the reference path's overhead.
+(the earlier goal was 1.15x); on CPU the numbers only show the reference path's overhead.
 Every recipe's layer is built and warmed up first, then the recipes are timed interleaved,
 one sample each per round, `--iters` rounds; the table shows the median per recipe. A sample is
 `--chain` steps back to back with one sync after them: 1 puts a host wait after every step (as

@@ -66,7 +66,7 @@ def _bench(fn, x) -> float | None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # the shape; Qwen3-30B-A3B's 128 experts (3 MB each); K3-like layer experts (22 MB);
+    # 8 large experts (48 MB each); Qwen3-30B-A3B's 128 experts (3 MB each); K3-like layer experts (22 MB);
     # 16 DeepSeek-V3-sized experts (29 MB)
     ap.add_argument("--shapes", default="8x4096x6144,128x768x2048,8x3072x3584,16x2048x7168")
     ap.add_argument("--formats", default=",".join(FORMATS))

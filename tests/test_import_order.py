@@ -48,11 +48,7 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("workbench.launch.submit", "workbench.launch.fits"): RECIPE,
     ("workbench.demo", "workbench.train.export"): CLI,
     # imports inside functions
-    ("workbench.checkpoint.checkpoint", "workbench.formats"): DEBT,
     ("workbench.checkpoint.dcp", "workbench.checkpoint"): CYCLE,
-    ("workbench.checkpoint.grid", "workbench.formats.nvfp4"): DEBT,
-    ("workbench.checkpoint.layouts", "workbench.formats"): DEBT,
-    ("workbench.checkpoint.layouts", "workbench.scope"): DEBT,
     ("workbench.cli", "workbench.analysis.inspect"): CLI,
     ("workbench.cli", "workbench.checkpoint"): CLI,
     ("workbench.cli", "workbench.checkpoint.select"): CLI,
@@ -81,19 +77,12 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
                                                       "imports it, so it loads on first use",
     ("workbench.kernels.cast", "workbench.kernels"): "Triton is optional: the kernel module "
                                                      "imports it, so it loads on first use",
-    ("workbench.kernels.api", "workbench.formats.nvfp4"): DEBT,
-    ("workbench.kernels.api", "workbench.formats.nvfp4_profiles"): DEBT,
     ("workbench.launch.handle", "workbench.track.metrics"): LIGHT,
     ("workbench.launch.watch", "workbench.plots.runs"): LIGHT,
-    ("workbench.model.transformer", "workbench.model.parallel"): DEBT,
     ("workbench.track.experts", "workbench.qat.recipe"): LIGHT,
     ("workbench.track.experts", "workbench.analysis"): LIGHT,
     ("workbench.track.experts", "workbench.checkpoint"): LIGHT,
-    ("workbench.train.checkpointing", "workbench.model.parallel"): DEBT,
     ("workbench.train.datasets", "workbench.train.data"): DEBT,
-    ("workbench.train.distill", "workbench.train.build"): DEBT,
-    ("workbench.train.distill", "workbench.train.init"): DEBT,
-    ("workbench.train.loop", "workbench.model"): DEBT,
 }
 
 

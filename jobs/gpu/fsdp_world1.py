@@ -1,4 +1,4 @@
-"""Issue 23 on one H200: the GPU preset trained with FSDP2 at world 1 and full activation
+"""FSDP2 on one GPU: the GPU preset trained with FSDP2 at world 1 and full activation
 checkpointing, measured peak memory against `workbench.train.plan`.
 
     python3 jobs/gpu/fsdp_world1.py                 # qwen3_30b_a3b_like, 10 steps (device tool)

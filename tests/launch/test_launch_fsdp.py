@@ -1,4 +1,4 @@
-"""FSDP2 layouts of the workbench trainer on the local Slurm cluster (issue #23): world 4 as
+"""FSDP2 layouts of the workbench trainer on the local Slurm cluster: world 4 as
 EP2 x FSDP2 and as EP4 + FSDP on one node (1x4), world 8 as EP4 x FSDP2 over two nodes (2x4,
 one EP group per node).
 

@@ -14,6 +14,7 @@ from .index import ShardIndex
 from .layouts import FMT_OF_CODEC, LogicalSpec, build
 from .remote import RemoteFolder, RemoteOptions
 from .views import LogicalTensor, StackView, StoredView
+from workbench.formats import Recipe
 
 
 class Checkpoint:
@@ -95,7 +96,6 @@ class Checkpoint:
         if spec.codec is None:
             return None
         if spec.codec in FMT_OF_CODEC:
-            from workbench.formats import Recipe
 
             return Recipe(FMT_OF_CODEC[spec.codec], spec.profile)
         return spec.codec

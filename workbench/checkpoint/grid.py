@@ -12,6 +12,7 @@ from workbench.formats import QuantizedTensor
 
 from .experts import ExpertRecord
 from .layouts import FMT_OF_CODEC
+from workbench.formats.nvfp4 import from_library_global
 
 
 def grid_selection(ck, rec: ExpertRecord) -> tuple:
@@ -25,7 +26,6 @@ def grid_selection(ck, rec: ExpertRecord) -> tuple:
 def library_global(ck, spec) -> tuple[torch.Tensor, torch.Tensor]:
     """(library's stored global as a 0-dim fp32, the decode-direction global) of an NVFP4
     weight."""
-    from workbench.formats.nvfp4 import from_library_global
 
     lib = ck.index.read(spec.part("global_scale")).float().reshape(())
     return lib, from_library_global(lib, spec.profile)

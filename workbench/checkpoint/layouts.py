@@ -36,6 +36,8 @@ from .errors import (
 )
 from .index import ShardIndex
 from .registry import CODECS, LAYOUT_OF_METHOD, LAYOUTS, LogicalSpec
+from workbench.formats import Recipe
+from workbench.scope import Rule
 
 EXTRA_PARAMS = re.compile(r"(input|output)_(scale|global_scale|zero_point)|[kvq]_scale")
 _EP = re.compile(r"@ep\d+$")
@@ -145,9 +147,7 @@ def build(index: ShardIndex, qcfg: QuantConfig, model_type: str | None = None) -
 def _public_scope(scope: QuantScope, layout: str, shapes) -> QuantScope:
     """The same decisions, with recipes users can pass to workbench.formats: MX / NVFP4 codecs
     become `Recipe(fmt, profile of the layout's decoder)`; INT4 / FP8 stay codec strings."""
-    from workbench.formats import Recipe
 
-    from ..scope import Rule
 
     def public(codec):
         if codec in FMT_OF_CODEC:

@@ -109,7 +109,7 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     bits = torch.zeros(n_exp if amax else 1, dtype=torch.int32, device=param.device)
     # the scalars as torch's host code computes them (Python floats) and its kernels take them
     # (rounded to fp32); ATen's reciprocal of the divisor is taken in double, then rounded
-    # (measured on an H200: from the fp32 divisor, 1 value in 1 differs)
+    # (jobs/gpu/adamw_bits.py: taken from the fp32 divisor instead, the bits differ)
     bc1 = 1 - beta1**step
     bc2_sqrt = (1 - beta2**step) ** 0.5
     w1, c2, alpha = _f32(1 - beta1), _f32(1 - beta2), _f32(-(lr / bc1))

@@ -18,6 +18,8 @@ import torch
 from workbench.formats import QuantizedTensor, format_spec, parse_recipe
 from workbench.formats.mx_profiles import PROFILES as MX_PROFILES
 from workbench.formats.mx_profiles import cached_lut
+from workbench.formats.nvfp4 import from_library_global
+from workbench.formats.nvfp4_profiles import get_profile
 
 _MX_RULES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3}
 SUPPORTED: dict[str, tuple[str, ...]] = {
@@ -300,8 +302,6 @@ def quantize(x: torch.Tensor, fmt, profile: str | None = None, *,
         data, scale = _run_mx(x, recipe, spec, fake=False)
         gs = lib = None
     else:
-        from workbench.formats.nvfp4 import from_library_global
-        from workbench.formats.nvfp4_profiles import get_profile
 
         data, scale, amax = _run_nvfp4(x, recipe, global_amax, fake=False)
         # The stored global: the reference's own scalar arithmetic on the amax, on the CPU.

@@ -2,8 +2,8 @@
 CUDA gradients).
 
 ``sum_of_squares(x)`` is ``x.double().pow(2).sum()`` in one pass over ``x``: torch's three ops
-write and re-read an fp64 copy (~36 bytes of traffic per fp32 element, 31 ms of a 176 ms step of
-a 3B-parameter model on an H200); this reads 4 (fp32) or 2 (bf16) bytes per element. Squares
+write and re-read an fp64 copy (~36 bytes of traffic per fp32 element; its share of a step:
+docs/kernels.md); this reads 4 (fp32) or 2 (bf16) bytes per element. Squares
 are exact in fp64, the sums round in fp64 in an order fixed by the size (no atomics), so the
 result is deterministic; it is not bit-equal to torch's sum, whose order differs.
 """

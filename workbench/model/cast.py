@@ -2,8 +2,8 @@
 
 Under CUDA bf16 autocast a matmul casts its fp32 weight to bf16, and the backward of that cast
 widens the bf16 weight gradient back to fp32. torch 2.11 widens through its generic casting
-copy kernel, half the bandwidth of the narrowing copy (H200: 7.8 ms of weight gradients in a
-107 ms step of the qwen3_30b_a3b_like preset, jobs/bench_train_gpu.py --profile). ``autocast_operand``
+copy kernel, half the bandwidth of the narrowing copy (its share of a step: docs/kernels.md,
+"What the trainer's profile showed"). ``autocast_operand``
 does the same cast itself, as autocast would (so autocast then leaves the operand alone), and
 widens the gradient with ``kernels.cast.widen_bf16``: the same forward and gradient bits, one
 vectorised pass. Everywhere else (CPU, no autocast, no gradient, torch.compile traces, dtypes

@@ -13,9 +13,9 @@ that fake-quantizes the operands and then calls this one.
 the routed counts and they pass exactly the routed rows, so it is the row count. Given, the CUDA
 path never reads offs on the host, and the host never waits for the GPU in the layer: without it,
 each call's `offs.tolist()` drained the queue, so every kernel after it (the next fake
-quantization, the next GEMM) started only after the host had launched it, measured as ~1.4 ms of
-idle GPU in a 10.9 ms K3-sized expert layer step on an H200 (`jobs/bench_qat_moe.py
---breakdown`). A wrong `end` is caught on the device (`torch._assert_async`), and on CPU, where
+quantization, the next GEMM) started only after the host had launched it, leaving the GPU idle
+for a visible share of the layer step (docs/kernels.md, "What the trainer's profile showed";
+`jobs/bench_qat_moe.py --breakdown`). A wrong `end` is caught on the device (`torch._assert_async`), and on CPU, where
 the offsets are read and validated anyway, by a ValueError.
 """
 

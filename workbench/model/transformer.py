@@ -28,6 +28,7 @@ from workbench.model.loss import linear_cross_entropy
 from workbench.model.moe import MoEBlock
 from workbench.model.rope import RotaryEmbedding
 from workbench.model.router import SigmoidRouter, load_balancing_loss
+from workbench.model.parallel import install_expert_parallel
 
 IGNORE_INDEX = -100
 
@@ -110,7 +111,6 @@ class MoEForCausalLM(nn.Module):
         # the aux loss is the one of the global batch at every layout (what EP1 computes).
         self.balance_group: dist.ProcessGroup | None = None
         if ep_group is not None:
-            from workbench.model.parallel import install_expert_parallel
             install_expert_parallel(self, ep_group)
         if self.lm_head.weight.device.type != "meta":
             self.reset_parameters(seed)

@@ -64,6 +64,7 @@ from workbench.checkpoint.dcp_metadata import SafeFileSystemReader
 from workbench.train import runfolder
 from workbench.train.distributed import DistInfo, barrier
 from workbench.train.fsdp import EXPERT_DIM, reshard_
+from workbench.model.parallel import is_expert_param
 
 COMPLETE = "COMPLETE"
 _STEP_RE = re.compile(r"^step_(\d{8})$")
@@ -277,7 +278,6 @@ def _expert_wrapper(info: DistInfo, model: nn.Module):
     the "dp" mesh of an EP slice, which is re-described over the 2-D (dp, ep) mesh as
     (Shard(1), Shard(0)) of the global [E, ...] stack. Every wrap is a view of the rank's own
     storage (`from_local(run_check=False)` adds no copy, no collective), so DCP loads in place."""
-    from workbench.model.parallel import is_expert_param
 
     layout = getattr(model, "layout", None)
     if layout is not None and layout.fsdp:
@@ -303,7 +303,6 @@ def _expert_wrapper(info: DistInfo, model: nn.Module):
 def _fsdp_wrapper(model: nn.Module, layout):
     from torch.distributed.tensor import DTensor, Shard
 
-    from workbench.model.parallel import is_expert_param
 
     def wrap(name: str, t: torch.Tensor) -> torch.Tensor:
         if not isinstance(t, DTensor):

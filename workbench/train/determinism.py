@@ -40,9 +40,9 @@ def enable(deterministic: bool) -> None:
     # index_put accumulate, ...), and an op without one raises instead of running.
     torch.use_deterministic_algorithms(True)
     # Deterministic mode also fills every fresh allocation with NaN, so a read of uninitialised
-    # memory is reproducible. It cost 10.8% of the BF16 step on the H200 (jobs/bench_train_gpu.py)
-    # and changed nothing: runs without it gave the same losses bit for bit, since the workbench
-    # reads no uninitialised memory. Without the fill the whole mode costs 0.8%.
+    # memory is reproducible. It costs a tenth of a GPU step (docs/determinism.md) and changes
+    # nothing: runs without it give the same losses bit for bit, since the workbench reads no
+    # uninitialised memory.
     torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False

@@ -39,6 +39,8 @@ from workbench.train.data import global_batch, rank_slice
 from workbench.train.distributed import DistInfo, Layout, all_reduce_sum
 from workbench.train.fsdp import apply_fsdp, reshard_
 from workbench.train.init_source import init_checkpoint
+from workbench.train.build import build_model
+from workbench.train.init import load_init
 
 
 def kl_per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
@@ -53,8 +55,6 @@ def kl_per_token(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
 def build_teacher(cfg, info: DistInfo, layout: Layout | None = None) -> nn.Module:
     """The frozen BF16 teacher, sharded like the student (`layout`: the student's; None: EP =
     world, no FSDP); collective (reads --init, and shards under FSDP)."""
-    from workbench.train.build import build_model
-    from workbench.train.init import load_init
 
     teacher = build_model(cfg, info, overwritten=True, layout=layout)
     # into the plain EP-local tensors, before FSDP; a remote --init is downloaded first

@@ -62,6 +62,8 @@ from workbench.train.metrics import METRICS_FILE, MetricsWriter, truncate_metric
 from workbench.train.resume_config import checkpoint_meta
 from workbench.train.router_bias import update_router_biases_
 from workbench.train.startup import OpenRun, open_run
+from workbench.model import is_expert_param
+from workbench.model import sync_gradients
 
 _stop_requested = False
 
@@ -132,10 +134,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _use_sumsq_kernel(g: torch.Tensor) -> bool:
-    """Whether ``g``'s squared norm comes from the one-pass Triton kernel. On an H200, torch's
-    ``g.double().pow(2).sum()`` (an fp64 copy, a pow pass, a reduction: ~36 bytes of traffic per
-    fp32 element) took 31 ms of a 176 ms step of a 3B-parameter model (copy 13.2, pow 12.3, sum
-    5.7); the kernel reads each element once. CPU gradients keep torch's ops, so CPU runs keep
+    """Whether ``g``'s squared norm comes from the one-pass Triton kernel. torch's
+    ``g.double().pow(2).sum()`` is an fp64 copy, a pow pass and a reduction (~36 bytes of traffic
+    per fp32 element, a visible share of a GPU step: docs/kernels.md); the kernel reads each
+    element once. CPU gradients keep torch's ops, so CPU runs keep
     their bits; dtypes or layouts the kernel does not take (fp16, non-contiguous) too."""
     return (g.is_cuda and g.dtype in (torch.float32, torch.bfloat16) and g.is_contiguous()
             and kernels.available())
@@ -153,7 +155,6 @@ def global_grad_norm(model: torch.nn.Module, info: DistInfo) -> torch.Tensor:
     parameters partition them over the world, and its dp-shards of an EP slice partition that
     slice over the dp ranks that hold it (workbench.train.fsdp), so the world holds each element
     of every gradient exactly once."""
-    from workbench.model import is_expert_param
 
     dense = torch.zeros((), dtype=torch.float64, device=info.device)
     sharded = torch.zeros((), dtype=torch.float64, device=info.device)
@@ -178,8 +179,8 @@ def _clip_(model: torch.nn.Module, norm: torch.Tensor, max_norm: float) -> None:
         return
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
     # One foreach launch per (device, dtype) instead of one g.mul_ per gradient: a tensor times
-    # a 0-d CUDA tensor takes torch's non-vectorised broadcast kernel (12.0 ms per step of a
-    # 3B-parameter model on an H200). Same bits: each element is one product rounded once to
+    # a 0-d CUDA tensor takes torch's non-vectorised broadcast kernel (slow enough to show in a
+    # step's profile: docs/kernels.md). Same bits: each element is one product rounded once to
     # the gradient's dtype, as mul_ computes it (the coefficient rounded to that dtype first).
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for p in model.parameters():
@@ -242,7 +243,6 @@ def train_step(model, opt, sched, train_tokens: torch.Tensor, cfg: TrainConfig, 
     even without a teacher, for comparing the two paths (default: only when distilling).
     A step whose objective or gradient norm is NaN/Inf updates nothing and its record has
     `nonfinite: True` (the caller stops or skips)."""
-    from workbench.model import sync_gradients
 
     timing = fq_timer is not None and fq_timer.available
     if timing:

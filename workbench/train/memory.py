@@ -279,7 +279,7 @@ def rank_memory(cfg: MoEConfig, *, world: int, ep: int, fsdp: int = 1, batch: in
         # gathered bf16 weights of the unit computing (in `compute`), it holds the next unit's,
         # prefetched (2 B a parameter), and in backward the unit's unsharded bf16 gradients (2 B)
         # and their fp32 copy, the reduce-scatter's input (reduce_dtype fp32: 4 B). Without this
-        # row the plan was 9.0 GiB under the peak measured on an H200 (jobs/gpu/fsdp_world1.py).
+        # row the plan fell short of the GPU's measured peak (docs/fsdp.md, jobs/gpu/fsdp_world1.py).
         unit = max(per_layer + counts.expert * local_experts, cfg.vocab_size * cfg.hidden_size * 2)
         fsdp_buffers = int((2 + 2 + 4) * unit)
     words = activation_floats_per_token(cfg, act_ckpt)
