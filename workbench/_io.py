@@ -13,12 +13,15 @@ node loses power. The recipe, in this order:
 4. fsync the folder, which makes the rename itself durable.
 
 If the write fails before the rename, the temporary file is removed and the old file is intact.
+A write that fails because its file system (or the user's quota) is full raises `NoSpaceError`,
+an `OSError` whose message is one line: "no space left on DEVICE while writing PATH".
 This module sits below every package (the `_io` layer, docs/architecture.md) and imports only
 the standard library, so `workbench.launch` stays torch-free.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -27,8 +30,101 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_open", "atomic_write_bytes", "atomic_write_json", "atomic_write_text",
-           "fsync_path", "new_file_mode", "publish"]
+__all__ = ["NoSpaceError", "atomic_open", "atomic_write_bytes", "atomic_write_json",
+           "atomic_write_text", "device_of", "fsync_path", "is_no_space", "new_file_mode",
+           "no_space", "publish", "writing"]
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class NoSpaceError(OSError):
+    """A write failed because the file system holding `path` is full (ENOSPC) or the user's
+    quota on it is used up (EDQUOT). `str()` is one line naming the device and the file."""
+
+    def __init__(self, code: int, path: str | Path, device: str):
+        what = "no space left" if code == errno.ENOSPC else "disk quota exceeded"
+        super().__init__(code, f"{what} on {device} while writing {path}")
+        self.path, self.device = str(path), device
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def is_no_space(e: BaseException) -> bool:
+    """Whether `e`, or an exception it was raised from, is a full disk or quota."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _FULL:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _full_errno(e: BaseException) -> int:
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in _FULL:
+            return e.errno
+        e = e.__cause__ or e.__context__
+    return errno.ENOSPC
+
+
+def _unescape_mount(field: str) -> str:
+    # /proc/self/mountinfo writes space, tab, newline and backslash as octal escapes
+    for code in ("\\040", "\\011", "\\012", "\\134"):
+        field = field.replace(code, chr(int(code[1:], 8)))
+    return field
+
+
+def device_of(path: str | Path) -> str:
+    """The file system holding `path` (or its nearest existing parent), as a user finds it in
+    `df`: "SOURCE (mounted at MOUNT, N MiB free)"; the folder itself where /proc is unreadable."""
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    real = os.path.realpath(p)
+    best, source = "", None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fields, rest = left.split(), right.split()
+                if len(fields) < 5 or len(rest) < 2:
+                    continue
+                mount = _unescape_mount(fields[4])
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, source = mount, _unescape_mount(rest[1])
+    except OSError:
+        pass
+    try:
+        st = os.statvfs(real)
+        free = (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+        room = f", {free / 2**20:.0f} MiB free"
+    except OSError:
+        room = ""
+    if source is None:
+        return f"the device holding {real}"
+    return f"{source} (mounted at {best}{room})"
+
+
+def no_space(e: BaseException, path: str | Path) -> NoSpaceError:
+    """The one-line error for a write to `path` that failed with ENOSPC/EDQUOT (`e`)."""
+    return NoSpaceError(_full_errno(e), path, device_of(path))
+
+
+@contextmanager
+def writing(path: str | Path) -> Iterator[None]:
+    """Turn a full disk or quota while writing `path` into `NoSpaceError` naming it; every other
+    error passes unchanged."""
+    try:
+        yield
+    except NoSpaceError:
+        raise
+    except OSError as e:
+        if is_no_space(e):
+            raise no_space(e, path) from None
+        raise
 
 
 def fsync_path(path: str | Path) -> None:
@@ -80,7 +176,8 @@ def atomic_open(path: str | Path, mode: str = "w", *, encoding: str | None = "ut
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open writes whole files: mode 'w' or 'wb', got {mode!r}")
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with writing(path):  # a full file system may refuse the new inode itself
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, _final_mode(path))
         with os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as f:
@@ -88,11 +185,13 @@ def atomic_open(path: str | Path, mode: str = "w", *, encoding: str | None = "ut
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(e, OSError) and not isinstance(e, NoSpaceError) and is_no_space(e):
+            raise no_space(e, path) from None
         raise
     fsync_path(path.parent)
 

@@ -7,6 +7,7 @@ import sys
 
 from workbench.compare_cli import add_parser as add_compare
 from workbench.compare_cli import add_selection, one_line
+from workbench.recipe import parse_qat_recipe
 from workbench.source import SourceError, resolve
 
 
@@ -61,6 +62,13 @@ def _plan(args) -> int:
     from workbench.train.plan import PRESETS, PlanError, model_config_of, plan
 
     try:
+        for flag in ("gpus", "gpus_per_node", "batch", "seq", "ep", "fsdp", "layers"):
+            value = getattr(args, flag)
+            if value is not None and value < 1:
+                raise PlanError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+        if not args.gpu_mem_gib > 0:
+            raise PlanError(f"--gpu-mem-gib must be > 0, got {args.gpu_mem_gib}")
+        recipe = parse_qat_recipe(args.recipe)  # RecipeError (a ValueError) names the grammar
         model = args.model
         if model not in PRESETS:
             src = resolve(model, need="config")
@@ -75,7 +83,7 @@ def _plan(args) -> int:
             raise PlanError(f"--gpus {args.gpus} is not a multiple of --gpus-per-node {gpn}")
         p = plan(cfg, args.gpus // gpn, gpn, args.gpu_mem_gib, batch=args.batch, seq=args.seq,
                  ep=args.ep, fsdp=args.fsdp, act_ckpt=args.activation_checkpointing,
-                 qat=args.recipe != "bf16")
+                 qat=not recipe.is_bf16)
     except (PlanError, ValueError) as e:  # SourceError is a ValueError
         print(f"workbench {args.cmd}: error: {one_line(str(e))}", file=sys.stderr)
         return 2

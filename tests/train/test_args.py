@@ -41,7 +41,7 @@ ALL = {
     "kd_temperature": 2.0, "kd_weight": 0.5, "ce_weight": 0.25, "wandb": "disabled",
     "run_group": "g", "project": "p", "run_name": "-n", "deterministic": False,
     "activation_checkpointing": "selective", "compile": True, "ep": 2, "fsdp": True, "expert_stats_every": 3,
-    "allow_config_change": ("steps", "lr"), "router_bias_update": 0.001,
+    "dist_timeout": 2.5, "allow_config_change": ("steps", "lr"), "router_bias_update": 0.001,
 }
 # What a field needs beside it to be valid on its own.
 NEEDS = {"profile": {"recipe": "mxfp4"}, "export": {"recipe": "mxfp4"},
@@ -109,7 +109,7 @@ def test_resume_rules_come_from_the_declarations():
     assert FREE == {"out", "resume", "allow_config_change", "init", "val_every", "ckpt_every",
                     "keep", "export", "wandb", "project", "run_group", "run_name",
                     "activation_checkpointing", "compile", "deterministic", "expert_stats_every", "ep",
-                    "fsdp", "skip_nonfinite_steps"}
+                    "fsdp", "skip_nonfinite_steps", "dist_timeout"}
     assert CHANGEABLE == ("steps", "lr", "min_lr_ratio", "warmup", "grad_clip", "val_batches")
 
 

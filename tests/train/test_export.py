@@ -12,6 +12,7 @@ from conftest import TINY
 
 from workbench.formats import dequantize
 from workbench.train.export import ct_quantization_config, export_model
+from workbench.train.export_folder import MARKER
 
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -234,22 +235,26 @@ def test_export_recovers_from_a_crash_in_the_swap(tmp_path, crash):
     first = export_model(model, tmp_path / "export")  # the previous, complete export
     want = _export_files(first)
     old, tmp = tmp_path / ".old-export", tmp_path / ".tmp-export"
+    marker = (first / MARKER).read_bytes()  # written first into every export folder of ours
     if crash == "while-writing-tmp":
         tmp.mkdir()
+        (tmp / MARKER).write_bytes(marker)
         (tmp / "model-00001-of-00001.safetensors").write_bytes(b"half")
     elif crash == "between-renames":  # export moved aside, the new one not yet in place
         os.rename(first, old)
         tmp.mkdir()
+        (tmp / MARKER).write_bytes(marker)
         (tmp / "config.json").write_text("{}")
     elif crash == "after-second-rename":  # both complete; the old one not yet removed
         import shutil
 
         shutil.copytree(first, old)
-    else:  # part of .old-export already removed
+    else:  # part of .old-export already removed (its marker goes last)
         old.mkdir()
+        (old / MARKER).write_bytes(marker)
         (old / "config.json").write_text("{}")
     if crash == "between-renames":
-        from workbench.train.export import recover_swap
+        from workbench.train.export_folder import recover_swap
 
         recover_swap(tmp_path / "export")  # what readers get back before any new export
         assert _export_files(tmp_path / "export") == want and not old.exists()

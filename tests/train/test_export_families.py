@@ -13,7 +13,10 @@ Tolerance: both sides compute in fp32 on the same BF16 / decoded weights (test_f
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +24,10 @@ from families import family_oracle, logits, trained_like
 
 pytest.importorskip("transformers", reason="transformers loads the exports (pip install 'workbench[dev]')")
 
+from workbench._io import NoSpaceError
 from workbench.model import from_pretrained, hf_to_ours
 from workbench.qat import fake_quant_ste, parse_qat_recipe
+from workbench.train import export_gpt_oss
 from workbench.train.export import ExportError, export_model
 
 ATOL = RTOL = 2e-5
@@ -73,6 +78,30 @@ def test_gpt_oss_bf16_export_is_transformers_layout(tmp_path):
         assert torch.equal(ref.state_dict()[name], t.to(torch.bfloat16).float()), name
     x = family_oracle().ids(cfg)
     torch.testing.assert_close(logits(from_pretrained(out), x), logits(ref, x), rtol=RTOL, atol=ATOL)
+
+
+def test_gpt_oss_export_on_a_full_disk_keeps_the_previous_export(tmp_path, monkeypatch):
+    """The second shard meets a full disk (part of it written, then ENOSPC without a file name,
+    as the kernel gives it): one line naming the device and the shard, the later shards are not
+    attempted, and the previous export stays as it was."""
+    _, _, model = trained_like("gpt_oss", "mxfp4")
+    out = export_model(model, tmp_path / "oss", fmt="gpt-oss", recipe="mxfp4")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real, calls = export_gpt_oss.save_file, []
+
+    def save_file(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:
+            Path(filename).write_bytes(b"\0" * 64)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(export_gpt_oss, "save_file", save_file)
+    with pytest.raises(NoSpaceError, match=r"^no space left on .* while writing "
+                       r".*/\.tmp-oss/model-00002-of-\d{5}\.safetensors$"):
+        export_model(model, out, fmt="gpt-oss", recipe="mxfp4")
+    assert len(calls) == 2
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_wrong_format_for_the_family_is_refused(tmp_path):

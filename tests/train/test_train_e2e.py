@@ -13,6 +13,7 @@ from conftest import REPO, TINY, env, metrics, run
 
 from workbench.train.checkpointing import list_complete
 from workbench.train.cli import main
+from workbench.train.runfolder import RunFolderError
 
 KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "aux_loss",
         "peak_mem_gib", "fake_quant_share"}
@@ -103,7 +104,7 @@ def test_wandb_offline_history_equals_metrics(tmp_path):
 def test_fresh_start_refuses_a_directory_with_checkpoints(tmp_path):
     out = tmp_path / "run"
     main([*TINY, "--steps", "1", "--out", str(out), "--val-every", "0"])
-    with pytest.raises(FileExistsError, match="--resume"):
+    with pytest.raises(RunFolderError, match="--resume"):
         main([*TINY, "--steps", "2", "--out", str(out), "--val-every", "0"])
 
 
@@ -149,7 +150,7 @@ def test_fresh_start_keeps_the_stored_wandb_run_id(tmp_path):
     main([*TINY, "--steps", "1", "--out", str(out), "--val-every", "0"])
     stored = (out / "wandb_run_id").read_text()
     config = (out / "config.json").read_text()
-    with pytest.raises(FileExistsError, match="--resume"):
+    with pytest.raises(RunFolderError, match="--resume"):
         main([*TINY, "--steps", "2", "--out", str(out), "--val-every", "0", "--seed", "5"])
     assert (out / "wandb_run_id").read_text() == stored
     assert (out / "config.json").read_text() == config

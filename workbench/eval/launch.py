@@ -39,10 +39,10 @@ from workbench.launch.handle import (
     LAUNCH_FILE,
     RESULT_FILE,
     index_dir,
-    process_token,
     write_json_atomic,
 )
 from workbench.recipe import parse_qat_recipe
+from workbench.train.runfolder import process_token
 
 EVAL_FOLDER = "eval"
 CACHE_FOLDER = "eval-cache"

@@ -1,8 +1,11 @@
 """Job handles for notebooks: fresh state, logs, live metrics, result, cancel, re-attach.
 
-Everything a handle needs is persisted as JSON in the run folder (`launch.json`) and in a small
-index (`~/.cache/workbench/launch/jobs/<job_id>.json`, or `$WORKBENCH_LAUNCH_INDEX`), so a new
-kernel re-attaches with `JobHandle.attach(folder_or_job_id)`; nothing of ours is pickled.
+Everything a handle needs is persisted as JSON in the run folder (`launch.json`, or
+`attempts/N/launch.json` for the N-th submission into one folder) and in a small index
+(`~/.cache/workbench/launch/jobs/<job_id>.json`, or `$WORKBENCH_LAUNCH_INDEX`), so a new kernel
+re-attaches with `JobHandle.attach(folder_or_job_id)`: a folder gives its newest job, a job id
+that job; nothing of ours is pickled. Each job reads its own record and result file, so a later
+submission into the folder never changes what an earlier job's handle reports.
 State is read fresh on every access (sacct, falling back to squeue while accounting lags), never
 from submitit's watcher cache, which keeps a finished state forever and polls only every 10 min.
 """
@@ -33,6 +36,10 @@ TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEM
 
 # A Slurm job id ("4242") or array element ("4242_3"); a local job id is the controller's pid.
 JOB_ID = re.compile(r"^[0-9]+(_[0-9]+)?$")
+# Where a job's record and result live in its run folder: at the top for the first submission,
+# in attempts/N/ for the N-th.
+_RECORD_FILE = re.compile(r"^(?:attempts/(?P<n>[1-9][0-9]{0,5})/)?launch\.json$")
+_RESULT_FILE = re.compile(r"^(?:attempts/[1-9][0-9]{0,5}/)?job_result\.json$")
 MAX_RECORD_BYTES = 1 << 20  # launch.json and index entries are a few KiB; refuse anything huge
 # Transient failures of Slurm's client commands: accounting (slurmdbd) or the controller not
 # answering yet (a restart), or answering slowly under load. Retried, with a bound.
@@ -126,13 +133,6 @@ def _boot_id() -> str:
         return ""
 
 
-def process_token(pid: int) -> str | None:
-    """Identifies one process for its whole life: boot id + start time (clock ticks since boot).
-    A pid is reused by the kernel; this pair is not."""
-    fields = _stat_fields(pid)
-    return None if fields is None else f"{_boot_id()}:{fields[19]}"
-
-
 def _pid_running(pid: int, token: str | None = None) -> bool:
     """The process `pid` is alive (not a zombie) and, when `token` is given, is still the very
     process that token was taken from, not a newer one that got the same pid."""
@@ -210,6 +210,10 @@ def _check_record(path: Path, record: dict) -> None:
     token = record.get("process_token")
     if token is not None and not isinstance(token, str):
         raise LaunchError(f"{path}: process_token must be a string")
+    for key, pattern in (("record_file", _RECORD_FILE), ("result_file", _RESULT_FILE)):
+        value = record.get(key)
+        if value is not None and not (isinstance(value, str) and pattern.match(value)):
+            raise LaunchError(f"{path}: {key} {value!r} is not a file of the run folder")
     if not isinstance(record["spec"], dict):
         raise LaunchError(f"{path}: spec must be a JSON object")
     try:
@@ -246,33 +250,73 @@ class JobHandle:
     def submitit_folder(self) -> Path:
         return Path(self._record["submitit_folder"])
 
+    @property
+    def record_file(self) -> str:
+        """This job's record, relative to the run folder."""
+        return self._record.get("record_file", LAUNCH_FILE)
+
+    @property
+    def result_file(self) -> Path:
+        """Where this job's rank 0 writes its return value."""
+        return self.folder / self._record.get("result_file", RESULT_FILE)
+
+    @property
+    def attempt(self) -> int:
+        """1 for the first job submitted into the folder, N for the N-th."""
+        m = _RECORD_FILE.match(self.record_file)
+        return int(m["n"]) if m and m["n"] else 1
+
     # --- persistence ---------------------------------------------------------------------------
     def _save(self) -> None:
-        write_json_atomic(self.folder / LAUNCH_FILE, self._record)
+        write_json_atomic(self.folder / self.record_file, self._record)
         write_json_atomic(index_dir() / f"{self.job_id}.json",
-                          {"folder": str(self.folder.resolve())})
+                          {"folder": str(self.folder.resolve()), "record": self.record_file})
+
+    @classmethod
+    def _load(cls, folder: Path, record_file: str) -> JobHandle:
+        path = folder / record_file
+        record = _read_record(path, LAUNCH_FILE)
+        _check_record(path, record)
+        if record.get("record_file", LAUNCH_FILE) != record_file:
+            raise LaunchError(f"{path}: record_file {record.get('record_file')!r} is not where "
+                              "the record lies")
+        return cls(folder, record)
 
     @classmethod
     def attach(cls, folder_or_id: str | Path) -> JobHandle:
-        """Re-attach from a new kernel by run folder or job id (e.g. '4242' or '4242_3')."""
+        """Re-attach from a new kernel by run folder (its newest job) or job id (e.g. '4242' or
+        '4242_3': that job, whichever attempt in its folder it was)."""
         p = Path(folder_or_id)
-        if not (p / LAUNCH_FILE).exists():
-            key = str(folder_or_id)
-            # Only a job id names an index entry, so "../x" cannot reach outside the index.
-            if not JOB_ID.match(key):
-                raise LaunchError(f"no run folder with {LAUNCH_FILE} at {key!r}, and {key!r} is "
-                                  "not a job id")
-            entry = index_dir() / f"{key}.json"
-            if not entry.exists():
-                raise LaunchError(f"no run folder with {LAUNCH_FILE} at {key!r} and no job "
-                                  f"{key!r} in the launch index {index_dir()}")
-            folder = _read_record(entry, "launch index entry").get("folder")
-            if not isinstance(folder, str):
-                raise LaunchError(f"{entry}: 'folder' must be a string, got {folder!r}")
-            p = Path(folder)
-        record = _read_record(p / LAUNCH_FILE, LAUNCH_FILE)
-        _check_record(p / LAUNCH_FILE, record)
-        return cls(p, record)
+        if (p / LAUNCH_FILE).exists():
+            return latest_attempt(p)
+        key = str(folder_or_id)
+        # Only a job id names an index entry, so "../x" cannot reach outside the index.
+        if not JOB_ID.match(key):
+            raise LaunchError(f"no run folder with {LAUNCH_FILE} at {key!r}, and {key!r} is "
+                              "not a job id")
+        entry = index_dir() / f"{key}.json"
+        if not entry.exists():
+            raise LaunchError(f"no run folder with {LAUNCH_FILE} at {key!r} and no job "
+                              f"{key!r} in the launch index {index_dir()}")
+        rec = _read_record(entry, "launch index entry")
+        folder, record_file = rec.get("folder"), rec.get("record", LAUNCH_FILE)
+        if not isinstance(folder, str):
+            raise LaunchError(f"{entry}: 'folder' must be a string, got {folder!r}")
+        if not (isinstance(record_file, str) and _RECORD_FILE.match(record_file)):
+            raise LaunchError(f"{entry}: 'record' {record_file!r} is not a job record's path")
+        return cls._load(Path(folder), record_file)
+
+    @classmethod
+    def attempts(cls, folder: str | Path) -> list[JobHandle]:
+        """Every job submitted into the run folder, oldest first."""
+        folder = Path(folder)
+        found = [LAUNCH_FILE] if (folder / LAUNCH_FILE).exists() else []
+        root = folder / "attempts"
+        if root.is_dir():
+            nums = sorted(int(p.name) for p in root.iterdir()
+                          if p.name.isdigit() and (p / LAUNCH_FILE).is_file())
+            found += [f"attempts/{n}/{LAUNCH_FILE}" for n in nums]
+        return [cls._load(folder, f) for f in found if _RECORD_FILE.match(f)]
 
     # --- state ---------------------------------------------------------------------------------
     @property
@@ -282,7 +326,7 @@ class JobHandle:
             return slurm_state(self.job_id)
         if _pid_running(int(self.job_id), self._record.get("process_token")):
             return "RUNNING"
-        if (self.folder / RESULT_FILE).is_file():
+        if self.result_file.is_file():
             return "COMPLETED"
         return "CANCELLED" if self._record.get("cancelled") else "FAILED"
 
@@ -327,7 +371,7 @@ class JobHandle:
     def result(self, timeout: float | None = None) -> object:
         """Wait, then return rank 0's return value (the trainer's result dict)."""
         state = self.wait(timeout)
-        path = self.folder / RESULT_FILE
+        path = self.result_file
         if state != "COMPLETED" or not path.is_file():
             raise JobFailedError(f"job {self.job_id} ended {state} without a result in {path}\n"
                                  f"{self.log_tail(30)}")
@@ -404,3 +448,9 @@ def _children(pid: int) -> list[int]:
         if int(fields[1]) == pid and fields[0] != "Z":
             out.append(int(stat.parent.name))
     return out
+
+
+def latest_attempt(folder: str | Path) -> JobHandle | None:
+    """The newest job submitted into the run folder (None: none was)."""
+    found = JobHandle.attempts(folder)
+    return found[-1] if found else None

@@ -6,8 +6,18 @@ Folder layout of a run (`spec.folder`, the trainer's `--out`; `LaunchSpec.build`
     submitit/          submitit's pickles and per-rank logs (<job_id>_<rank>_log.out/.err)
     metrics.jsonl, checkpoints/, result.json    written by the trainer
     job_result.json    rank 0's return value, written by the job
+    attempts/N/        launch.json and job_result.json of the N-th submission into the folder
+    workbench-run.json, workbench-run.lock     what the run owns; its one writer (runfolder)
 A sweep shares one submitit folder, `<sweep folder>/submitit/`, and gives every element its own run
 folder `<sweep folder>/<run name>/`.
+
+One job per run folder. A submission takes the folder's lock while it queues the job (the
+trainer takes it for the run's life) and refuses, naming the holder, a folder a trainer or a
+queued or running job of ours is using, and a folder that is not a run folder of ours (new,
+empty, or holding a manifest). Submitting again into the folder of a job that has ended is a new
+attempt: its files go to `attempts/N/`, the earlier job's record and result stay where they were
+(its handle and `JobHandle.attach(job_id)` read them); `JobHandle.attach(folder)` gives the newest
+attempt. A run that has checkpoints is continued only with `resume=True` (else refused, saying so).
 """
 
 from __future__ import annotations
@@ -22,9 +32,19 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from workbench.train import runfolder
 from workbench.train.determinism import LAUNCH_ENV as DETERMINISTIC_ENV
+from workbench.train.runfolder import process_token
 
-from .handle import FORMAT, RESULT_FILE, JobHandle, LaunchError, process_token
+from .handle import (
+    FORMAT,
+    LAUNCH_FILE,
+    RESULT_FILE,
+    TERMINAL,
+    JobHandle,
+    LaunchError,
+    latest_attempt,
+)
 from .spec import LaunchSpec, LaunchSpecError, missing_inputs, run_name, safe_name
 
 
@@ -108,13 +128,15 @@ def make_executor(spec: LaunchSpec, submitit_folder: Path):
     return ex
 
 
-def _job_callable(spec: LaunchSpec):
+def _job_callable(spec: LaunchSpec, files: dict[str, str]):
     from .job import DistributedJob
 
     res = spec.resources
     return DistributedJob(target=spec.target, argv=tuple(spec.job_argv()),
-                          result_path=str(spec.folder / RESULT_FILE), stop_hook=spec.stop_hook,
-                          pythonpath=res.pythonpath, signal_delay_s=res.signal_delay_s)
+                          result_path=str(spec.folder / files["result_file"]),
+                          stop_hook=spec.stop_hook, pythonpath=res.pythonpath,
+                          signal_delay_s=res.signal_delay_s,
+                          dist_timeout_s=max(1, round(spec.train.dist_timeout * 60)))
 
 
 def _preflight(spec: LaunchSpec) -> None:
@@ -131,16 +153,66 @@ def _preflight(spec: LaunchSpec) -> None:
     check_fits(spec)
 
 
-def _prepare_run_folder(spec: LaunchSpec) -> None:
-    spec.folder.mkdir(parents=True, exist_ok=True)
-    # A result from an earlier submission into this folder must not answer for the new job.
-    (spec.folder / RESULT_FILE).unlink(missing_ok=True)
+def _refuse_busy_or_finished(spec: LaunchSpec) -> int:
+    """The attempt number this submission gets in `spec.folder` (1 for a new folder), or
+    LaunchError when a job of ours is still queued or running there, or when the folder holds a
+    run with checkpoints and the spec does not resume it."""
+    folder = spec.folder
+    previous = latest_attempt(folder)
+    if previous is not None:
+        state = previous.state
+        if state not in TERMINAL:
+            raise LaunchError(
+                f"{folder}: job {previous.job_id} is {state} there, and a run folder takes one "
+                f"job at a time: wait for it (JobHandle.attach({previous.job_id!r}).wait()), "
+                "cancel it, or submit into another folder")
+    if not spec.train.resume and any((folder / "checkpoints").glob("step_*/COMPLETE")):
+        earlier = "" if previous is None else (
+            f" (job {previous.job_id}, {previous.state}; its result stays readable: "
+            f"JobHandle.attach({previous.job_id!r}).result())")
+        raise LaunchError(
+            f"{folder} already holds a run with checkpoints{earlier}; to train it further "
+            "submit spec.replace(train=spec.train.replace(resume=True)) (with a new --steps, "
+            "allow_config_change=('steps',)), or submit into another folder")
+    return 1 if previous is None else previous.attempt + 1
 
 
-def _handle(spec: LaunchSpec, submitit_folder: Path, job) -> JobHandle:
+def _attempt_files(attempt: int) -> dict[str, str]:
+    """Where the attempt's record and result live, relative to the run folder."""
+    if attempt == 1:
+        return {"record_file": LAUNCH_FILE, "result_file": RESULT_FILE}
+    return {"record_file": f"attempts/{attempt}/{LAUNCH_FILE}",
+            "result_file": f"attempts/{attempt}/{RESULT_FILE}"}
+
+
+def _open_run_folder(spec: LaunchSpec) -> tuple[runfolder.RunLock, dict]:
+    """Take `spec.folder`'s lock for the submission, refuse what must be refused (see the module
+    docstring), name the launcher's entries in the manifest; returns the held lock and the
+    attempt's files (release the lock once the job's record is written)."""
+    folder = spec.folder
+    try:
+        kind = runfolder.check_claimable(folder, runfolder.RUN_ENTRIES,
+                                         adopt_legacy=spec.train.resume, flag="LaunchSpec folder")
+        lock = runfolder.acquire(folder, role="submit")
+    except runfolder.RunFolderError as e:
+        raise LaunchError(str(e)) from None
+    try:
+        attempt = _refuse_busy_or_finished(spec)
+        files = _attempt_files(attempt)
+        runfolder.claim(folder, runfolder.RUN_ENTRIES, legacy=kind == "legacy")
+        if attempt > 1:
+            (folder / files["record_file"]).parent.mkdir(parents=True, exist_ok=True)
+        return lock, {**files, "attempt": attempt}
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _handle(spec: LaunchSpec, submitit_folder: Path, job, files: dict) -> JobHandle:
     record = {"format": FORMAT, "executor": spec.resources.executor, "job_id": str(job.job_id),
               "run_folder": str(spec.folder), "submitit_folder": str(submitit_folder),
-              "submitted_at": _dt.datetime.now(_dt.UTC).isoformat(), "spec": spec.to_json()}
+              "submitted_at": _dt.datetime.now(_dt.UTC).isoformat(), "spec": spec.to_json(),
+              **files}
     if spec.resources.executor == "local":  # the controller's pid may be reused after it exits
         record["process_token"] = process_token(int(job.job_id))
     handle = JobHandle(spec.folder, record, submitit_job=job)
@@ -152,12 +224,15 @@ def submit(spec: LaunchSpec) -> JobHandle:
     """Submit one run into `spec.folder`; returns its handle at once (the job runs in the
     background)."""
     _preflight(spec)
-    _prepare_run_folder(spec)
-    submitit_folder = spec.folder / "submitit"
-    ex = make_executor(spec, submitit_folder)
-    with _submission_env(spec):
-        job = ex.submit(_job_callable(spec))
-    return _handle(spec, submitit_folder, job)
+    lock, files = _open_run_folder(spec)
+    try:
+        submitit_folder = spec.folder / "submitit"
+        ex = make_executor(spec, submitit_folder)
+        with _submission_env(spec):
+            job = ex.submit(_job_callable(spec, files))
+        return _handle(spec, submitit_folder, job, files)
+    finally:
+        lock.release()  # the job's trainer takes the lock when it starts
 
 
 # The old keywords of sweep(), and the TrainConfig fields a run's name already shows.
@@ -210,10 +285,23 @@ def sweep(spec: LaunchSpec, **axes: Sequence | None) -> list[JobHandle]:
     specs = sweep_specs(spec, **axes)
     for s in specs:
         _preflight(s)
-    submitit_folder = spec.folder / "submitit"
+    base = spec.folder
+    try:  # the sweep folder holds the shared submitit folder and the elements' run folders
+        runfolder.check_claimable(base, ["submitit", *(s.folder.name for s in specs)],
+                                  flag="sweep folder")
+    except runfolder.RunFolderError as e:
+        raise LaunchError(str(e)) from None
+    runfolder.own(base, "submitit", *(s.folder.name for s in specs))
+    submitit_folder = base / "submitit"
     ex = make_executor(spec, submitit_folder)
-    for s in specs:
-        _prepare_run_folder(s)
-    with _submission_env(spec), ex.batch():
-        jobs = [ex.submit(_job_callable(s)) for s in specs]
-    return [_handle(s, submitit_folder, j) for s, j in zip(specs, jobs)]
+    opened: list[tuple[runfolder.RunLock, dict]] = []
+    try:
+        for s in specs:
+            opened.append(_open_run_folder(s))
+        with _submission_env(spec), ex.batch():
+            jobs = [ex.submit(_job_callable(s, files)) for s, (_, files) in zip(specs, opened)]
+        return [_handle(s, submitit_folder, j, files)
+                for s, j, (_, files) in zip(specs, jobs, opened)]
+    finally:
+        for lock, _ in opened:
+            lock.release()

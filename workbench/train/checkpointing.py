@@ -10,6 +10,13 @@ fsync'd, then the folder is renamed to `step_*` and the parent fsync'd. The rena
 a crash at any earlier point leaves only a `.tmp-*` folder, which resume ignores and the next save
 removes.
 
+Ownership (`workbench.train.runfolder`): every `.tmp-*` and `step_*` folder is named in the run
+folder's manifest before it is created; pruning, the clean-up of `.tmp-*` leftovers and the
+replacement of a checkpoint of the same step touch only folders the manifest names, so a folder
+someone else put in `checkpoints/` is never removed (nor counted by `keep`). A full disk (or
+quota) is reported as such, naming the file system and the file, even where DCP's writer turns
+the OS error into a bare "unexpected pos" (its zip writer swallows it).
+
 Resume (`resume`) tries the complete checkpoints newest first. One is used only if every file
 the marker lists has its recorded size and digest, its `.metadata` passes the allow-listed reader
 (`workbench.checkpoint.dcp_metadata`: DCP's metadata is a pickle, and a run folder is not
@@ -51,9 +58,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from workbench._io import atomic_write_json, fsync_path
+from workbench._io import atomic_write_json, device_of, fsync_path, is_no_space, no_space
 from workbench.checkpoint import errors as reader_errors
 from workbench.checkpoint.dcp_metadata import SafeFileSystemReader
+from workbench.train import runfolder
 from workbench.train.distributed import DistInfo, barrier
 from workbench.train.fsdp import EXPERT_DIM, reshard_
 from workbench.model.parallel import is_expert_param
@@ -62,6 +70,10 @@ COMPLETE = "COMPLETE"
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _HASH_CHUNK = 1 << 22
+# torch's zip writer (under DCP's) turns a failed write, ENOSPC included, into these texts; with
+# less than _FULL_BELOW bytes left on the file system right after, the disk was full.
+_WRITER_FAILED = re.compile(r"unexpected pos|PytorchStreamWriter failed writing")
+_FULL_BELOW = 4 << 20
 
 
 class CheckpointError(reader_errors.CheckpointError, RuntimeError):
@@ -156,6 +168,35 @@ def _dcp_failure(e: BaseException) -> str:
     if isinstance(e, reader_errors.CheckpointError):
         return str(e)
     return f"{type(e).__name__}: {e}"
+
+
+def _failures(e: BaseException) -> list[BaseException]:
+    if isinstance(e, CheckpointException):
+        return [x for _, (exc, _tb) in sorted(e.failures.items()) for x in _failures(exc)]
+    return [e]
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+
+
+def _disk_full(e: BaseException, folder: Path) -> str | None:
+    """The one-line "no space left on DEVICE while writing PATH" for a failed write into
+    `folder`, or None when the failure is not a full disk or quota."""
+    failures = _failures(e)
+    for x in failures:
+        if is_no_space(x):
+            return str(no_space(x, getattr(x, "filename", None) or folder))
+    if not any(_WRITER_FAILED.search(str(x)) for x in failures):
+        return None
+    free = _free_bytes(folder)
+    if free is not None and free < _FULL_BELOW:
+        return f"no space left on {device_of(folder)} while writing {folder}"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,15 +368,25 @@ def save(out: str | Path, model: nn.Module, opt, sched, step: int, info: DistInf
     root = checkpoint_root(out)
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-step_{step:08d}"
+    rel_tmp, rel_final = f"checkpoints/{tmp.name}", f"checkpoints/{final.name}"
     err = None
     if info.is_main:
         try:
+            for rel in (rel_tmp, rel_final):
+                if (Path(out) / rel).exists() and not runfolder.owns(out, rel):
+                    raise runfolder.RunFolderError(f"{Path(out) / rel} exists and was not "
+                                                   "written by this run; move it away")
+            if not root.exists():
+                runfolder.own(out, "checkpoints")
+            runfolder.own(out, rel_tmp)  # named before it exists: a crash leaves nothing unnamed
             root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():  # left by a crash: never complete, safe to discard
                 shutil.rmtree(tmp)
             tmp.mkdir()
+        except runfolder.RunFolderError as e:
+            err = str(e)
         except OSError as e:
-            err = f"cannot create {tmp}: {e}"
+            err = _disk_full(e, tmp) or f"cannot create {tmp}: {e}"
     _agree(info, err, tmp)
     try:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
@@ -343,7 +394,11 @@ def save(out: str | Path, model: nn.Module, opt, sched, step: int, info: DistInf
             dcp.save(state_dict(model, opt, sched, step, info), checkpoint_id=str(tmp),
                      process_group=info.group, no_dist=info.group is None)
     except (CheckpointException, OSError) as e:
+        full = _disk_full(e, tmp)  # before the half-written folder is removed
         _discard(tmp, info)
+        if full is not None:
+            raise CheckpointError(f"{full} (the checkpoint of step {step} was not written; the "
+                                  "older checkpoints are kept)") from None
         raise CheckpointError(f"cannot write checkpoint: {_dcp_failure(e)}", path=tmp) from None
     barrier(info)
     try:
@@ -356,18 +411,20 @@ def save(out: str | Path, model: nn.Module, opt, sched, step: int, info: DistInf
         raise CheckpointError(f"cannot hash the checkpoint's files: {e}", path=tmp) from None
     err = None
     if info.is_main:
+        marker = tmp / COMPLETE
         try:
-            marker = tmp / COMPLETE
             atomic_write_json(marker, {"step": step, "world_size": info.world, **meta,
                                        "files": files})
             fsync_path(tmp)
+            runfolder.own(out, rel_final)
             if final.exists():  # a re-run of the same step after a resume: replace it
                 shutil.rmtree(final)
             os.rename(tmp, final)
             fsync_path(root)
+            runfolder.disown(out, rel_tmp)
             _prune(root, keep, protect)
         except OSError as e:
-            err = f"cannot complete the checkpoint: {e}"
+            err = _disk_full(e, marker) or f"cannot complete the checkpoint: {e}"
     if err is not None:
         _discard(tmp, info, collective=False)
     _agree(info, err, final)
@@ -383,13 +440,17 @@ def _discard(tmp: Path, info: DistInfo, *, collective: bool = True) -> None:
 
 
 def _prune(root: Path, keep: int, protect: int | None = None) -> None:
-    steps = _step_folders(root.parent)
+    """Keep the newest `keep` checkpoints of this run (and `protect`); remove its older ones and
+    its `.tmp-*` leftovers. Folders the run folder's manifest does not name stay, uncounted."""
+    out = root.parent
+    mine = {f"checkpoints/{p.name}" for p in root.iterdir()} & runfolder.owned(out)
+    steps = [(s, p) for s, p in _step_folders(out) if f"checkpoints/{p.name}" in mine]
     for step, path in steps[:-keep]:
         if step != protect:
-            shutil.rmtree(path)
+            runfolder.remove_owned(out, f"checkpoints/{path.name}")
     for p in root.iterdir():
         if p.name.startswith(".tmp-") and p.is_dir():
-            shutil.rmtree(p)
+            runfolder.remove_owned(out, f"checkpoints/{p.name}")
 
 
 def load(found: Found, model: nn.Module, opt, sched, info: DistInfo) -> int:

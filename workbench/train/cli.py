@@ -3,13 +3,15 @@
 
 The command line itself (the parser, argv -> TrainConfig and back) is `workbench.train.args`, which
 the launcher imports without torch; this module adds what running needs: distributed set-up,
-the run logger, signal handlers, and one-line errors with exit code 2. `main(argv)` is what a
-launched job calls in every rank (`workbench.launch`'s default target).
+the run logger, signal handlers, and one-line errors with exit code 2, printed once per run (not
+once per rank: `workbench.train.distributed.failure_line`). `main(argv)` is what a launched job
+calls in every rank (`workbench.launch`'s default target).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import signal
@@ -18,25 +20,55 @@ import threading
 from pathlib import Path
 from typing import NoReturn
 
-from workbench._io import atomic_write_json, atomic_write_text
+from workbench._io import (
+    NoSpaceError,
+    atomic_write_json,
+    atomic_write_text,
+    is_no_space,
+    no_space,
+)
 from workbench.arch import ModelConfigError
 from workbench.checkpoint import CheckpointError as ReaderError
 from workbench.recipe import RecipeError
 from workbench.source import SourceError
-from workbench.train.args import PROG, config_from_args
+from workbench.train.args import PROG, TrainArgsError, config_from_args
 from workbench.train.checkpointing import CheckpointError
 from workbench.train.config import TrainConfig, TrainConfigError
 from workbench.train.datasets import DataError
-from workbench.train.distributed import exit_process
+from workbench.train.distributed import (
+    PeerFailed,
+    RankTimeout,
+    exit_process,
+    failure_line,
+    is_collective_failure,
+    on_main,
+)
+from workbench.train.export import ExportError
+from workbench.train.export_folder import ExportFolderError
 from workbench.train.init import InitError
 from workbench.train.init_source import pin_init
 from workbench.train.logger import make_logger
 from workbench.train.loop import NonFiniteStep
 from workbench.train.resume_config import ResumeConfigError
+from workbench.train.runfolder import RunFolderError
+from workbench.train.startup import open_run
 from workbench.train.tokenizer import TokenizerError
 
 WANDB_RUN_ID_FILE = "wandb_run_id"
 _RUN_ID_RE = re.compile(r"[a-z0-9]{8,32}")
+# What a user can fix: a refused configuration, run folder, resume, checkpoint, data file,
+# tokenizer, model config or export; a full disk; a rank that stopped answering. One line each
+# (exit 2), never a traceback. A ReaderError is the --init checkpoint's (a missing shard, ...).
+USER_ERRORS = (CheckpointError, ResumeConfigError, DataError, TokenizerError, ModelConfigError,
+               InitError, RecipeError, NonFiniteStep, SourceError, TrainConfigError,
+               RunFolderError, ExportError, ExportFolderError, NoSpaceError, RankTimeout,
+               PeerFailed, ReaderError)
+
+
+def _message(e: BaseException) -> str:
+    if isinstance(e, ReaderError) and not isinstance(e, CheckpointError):
+        return f"--init: {e.one_line()}"
+    return " ".join(str(e).split())
 
 
 def _install_signal_handlers() -> dict:
@@ -100,36 +132,45 @@ def main(argv: list[str] | None = None) -> dict:
     return run(config_from_args(argv))
 
 
+def _write_run_files(cfg: TrainConfig, resolved: dict) -> str:
+    """Rank 0, once the run folder is claimed: config.json and the wandb run id."""
+    out = Path(cfg.out)
+    atomic_write_json(out / "config.json", resolved)
+    print("[train] config " + json.dumps(resolved, sort_keys=True), flush=True)
+    return wandb_run_id(out, resume=cfg.resume)
+
+
 def run(cfg: TrainConfig) -> dict:
-    """The trainer on `cfg` in this process (one rank of a torchrun or submitit job, or alone)."""
+    """The trainer on `cfg` in this process (one rank of a torchrun or submitit job, or alone).
+    A failure the user can fix (USER_ERRORS, a collective a rank stopped answering in) is raised
+    on every rank with `report_line` set: the one line this rank prints, or None when another
+    rank of the run prints it."""
     from workbench.train import distributed
     from workbench.train.determinism import enable as enable_determinism
-    from workbench.train.loop import check_fresh_start, clear_stop, train
+    from workbench.train.loop import clear_stop, train
 
     cfg, init_source = pin_init(cfg)
     enable_determinism(cfg.deterministic)  # before CUDA / cuBLAS start (set_device, first matmul)
-    info = distributed.setup(single_rank_group=cfg.fsdp)
+    info = distributed.setup(single_rank_group=cfg.fsdp, timeout_min=cfg.dist_timeout)
+    opened = None
+    failed = False
     try:
         cfg.check_world(info.world)
-        # Before config.json and a fresh wandb run id replace those a --resume of the run in
-        # `out` would need (train() checks again, for callers that skip main).
-        check_fresh_start(cfg)
+        # The run folder is claimed and locked before config.json and a fresh wandb run id
+        # replace those a --resume of the run in `out` would need.
+        opened = open_run(cfg, info)
         resolved = {**cfg.to_dict(), "world_size": info.world, "ep_size": cfg.ep_size(info.world),
                     "device": str(info.device), "init_source": init_source}
+        run_id = on_main(info, lambda: _write_run_files(cfg, resolved))
         logger = None
         if info.is_main:
-            out = Path(cfg.out)
-            out.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(out / "config.json", resolved)
-            print("[train] config " + json.dumps(resolved, sort_keys=True), flush=True)
             logger = make_logger(cfg.wandb, rank=info.rank, project=cfg.project,
                                  group=cfg.run_group, name=cfg.run_name or Path(cfg.out).name,
-                                 dir=str(cfg.out), config=resolved,
-                                 run_id=wandb_run_id(out, resume=cfg.resume))
+                                 dir=str(cfg.out), config=resolved, run_id=run_id)
             logger.log_config(resolved)
         previous = _install_signal_handlers()
         try:
-            result = train(cfg, info, logger=logger)
+            result = train(cfg, info, logger=logger, opened=opened)
             if info.is_main:
                 print(final_summary(result, cfg), flush=True)
             # Before finish(): a summary sent to a finished run is dropped.
@@ -144,23 +185,52 @@ def run(cfg: TrainConfig) -> dict:
             if logger is not None:
                 logger.finish()
         return result
+    except BaseException as e:
+        failed = True  # the other ranks may never reach teardown's barrier
+        shown = e
+        if isinstance(e, OSError) and not isinstance(e, NoSpaceError) and is_no_space(e):
+            # a full disk under a writer that does not name its file: the run folder's device
+            shown = no_space(e, e.filename or cfg.out)
+            if hasattr(e, "reporter"):
+                shown.reporter = e.reporter
+        elif not (isinstance(e, USER_ERRORS) or is_collective_failure(e)):
+            raise
+        # Before the group goes: the ranks elect the one that prints (or name a silent rank).
+        line = failure_line(info, shown, timeout_min=cfg.dist_timeout)
+        e.report_line = _message(shown) if line == " ".join(str(shown).split()) else line
+        raise
     finally:
-        distributed.teardown(info)
+        if opened is not None:
+            opened.release()
+        distributed.teardown(info, failed=failed)
+
+
+def _rank_from_env() -> int:
+    try:
+        return int(os.environ.get("RANK", "0") or 0)
+    except ValueError:
+        return 0
 
 
 def cli(argv: list[str] | None = None, prog: str = PROG) -> dict:
     """`main` for a terminal: a refused command line, and input the user can fix (a refused
-    resume, an unusable checkpoint, a bad data file, tokenizer or model config), is one line on
-    stderr naming it and exit code 2, not a traceback per rank."""
-    cfg = config_from_args(argv, prog=prog)
+    run folder or resume, an unusable checkpoint, a bad data file, tokenizer or model config, a
+    full disk, a rank that stopped answering), is one line on stderr naming it and exit code 2,
+    printed by one rank of the run, not a traceback per rank."""
+    if _rank_from_env() != 0:  # every rank parses the same argv: rank 0 says what is wrong
+        try:
+            cfg = config_from_args(argv, raising=True, prog=prog)
+        except TrainArgsError:
+            raise SystemExit(2) from None
+    else:
+        cfg = config_from_args(argv, prog=prog)
     try:
         return run(cfg)
-    except (CheckpointError, ResumeConfigError, DataError, TokenizerError, ModelConfigError,
-            InitError, RecipeError, NonFiniteStep, SourceError, TrainConfigError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-    except ReaderError as e:  # the --init checkpoint (a missing shard, a failed download)
-        print(f"error: --init: {e.one_line()}", file=sys.stderr, flush=True)
+    except Exception as e:
+        if not hasattr(e, "report_line"):
+            raise
+        if e.report_line is not None:
+            print(f"error: {e.report_line}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 
@@ -168,7 +238,10 @@ def console(argv: list[str] | None = None, prog: str = PROG) -> NoReturn:
     """`cli`, then leave the process without finalisation while gloo threads live (FSDP; see
     `distributed.exit_process`): the end of `workbench train`, `-m workbench.train.cli` and
     `jobs/qat.py`."""
-    cli(argv, prog)
+    try:
+        cli(argv, prog)
+    except SystemExit as e:
+        exit_process(e.code if isinstance(e.code, int) else 1)
     exit_process(0)
 
 

@@ -148,6 +148,12 @@ class TrainConfig:
     expert_stats_every: int | None = option(
         None, "steps between per-expert quantization records in OUT/expert_stats.parquet "
         "(default: at each validation; 0: off)", ge=0, resume="free")
+    # How long a collective waits for the other ranks; torch's own default (30 min) leaves a run
+    # with a frozen rank silent for half an hour. Longer phases of rank 0 alone (tokenizing the
+    # data) wait on the process group's store instead, without this limit.
+    dist_timeout: float = option(10.0, "minutes a rank waits for the others in one collective; "
+                                 "past it the run stops, naming the rank that did not answer",
+                                 gt=0, metavar="MIN", resume="free")
     allow_config_change: tuple[str, ...] = option(
         (), "fields --resume may change from the checkpoint's configuration (listed at the end "
         "of --help); others must match", parse=split_names, fmt=",".join, metavar="FIELD[,FIELD]",

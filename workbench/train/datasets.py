@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -38,11 +39,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch.distributed as dist
 
+from workbench._io import writing
 from workbench.train import jsonl_stream, token_cache
 from workbench.train.data import PackedSplit
-from workbench.train.distributed import DistInfo
+from workbench.train.distributed import DistInfo, on_main
 from workbench.train.token_cache import DTYPE, CacheError, TokenFile
 from workbench.train.tokenizer import Tokenizer, TokenizerError, check_fits, load_tokenizer
 
@@ -57,6 +58,9 @@ _ENCODE_BATCH = 512
 _BATCH_CHARS = 1 << 18
 # JSONL lines longer than this are parsed as a stream (their text in parts), not by json.loads.
 LONG_LINE = 1 << 20
+# JSON's \uD800-\uDFFF escapes can leave a lone surrogate in a string: not Unicode, so no
+# tokenizer encodes it (the Rust tokenizers refuse the whole batch with a TypeError).
+_SURROGATE = re.compile("[\ud800-\udfff]")
 # Tokenization options: part of every cache key, so other options never reuse tokens.
 OPTIONS = {"piece_chars": PIECE_CHARS, "cut": "before the last space a letter follows"}
 
@@ -169,6 +173,8 @@ def _jsonl(path: Path, tok: Tokenizer) -> Iterator[tuple[str | Iterable[str], st
                 obj = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise DataError(f"{where}: invalid JSON ({e})") from e
+            except RecursionError:
+                raise DataError(f"{where}: JSON nested too deeply to read") from None
             yield _record_text(obj, where, tok), where
 
 
@@ -185,6 +191,19 @@ def _streamed(f, first: bytes, where: str, tok: Tokenizer) -> Iterator[str]:
         raise DataError(f"{where}: {e}") from None
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError included
         raise DataError(f"{where}: invalid JSON ({e})") from e
+    except RecursionError:
+        raise DataError(f"{where}: JSON nested too deeply to read") from None
+
+
+def _unicode(parts: Iterable[str], where: str) -> Iterator[str]:
+    """`parts` as they are, or DataError at a lone surrogate (see _SURROGATE)."""
+    for part in parts:
+        m = _SURROGATE.search(part)
+        if m is not None:
+            raise DataError(f"{where}: the text holds a lone surrogate {m.group()!r} (a \\u"
+                            f"{ord(m.group()):04x} escape without its pair): not Unicode, no "
+                            "tokenizer can encode it; fix or drop the record")
+        yield part
 
 
 def _parquet(path: Path) -> Iterator[tuple[str, str]]:
@@ -360,14 +379,14 @@ def tokenize_sources(sources: list[Source], tok: Tokenizer, cache: Path, *, name
     tmp = token_cache.new_entry(cache, folder)
     n_tokens = n_records = 0
     try:
-        with open(tmp / token_cache.TOKENS, "wb") as out, \
+        with writing(tmp / token_cache.TOKENS), open(tmp / token_cache.TOKENS, "wb") as out, \
                 tqdm(desc=f"tokenize {name}", unit="rec", disable=not show_progress) as bar:
             pending: list[tuple[str, bool]] = []
             chars = 0
             for src in sources:
-                for text, _where in records(src, tok):
+                for text, where in records(src, tok):
                     n_records += 1
-                    parts = (text,) if isinstance(text, str) else text
+                    parts = _unicode((text,) if isinstance(text, str) else text, where)
                     for piece, last in _with_last(pieces(parts)):
                         pending.append((piece, last))
                         chars += len(piece)
@@ -493,26 +512,17 @@ def load_train_data(cfg, info: DistInfo, vocab_rows: int) -> TrainData:
     if not cfg.data:
         corpus = load_corpus()
         return TrainData(corpus.train, corpus.val, {})
-    error: Exception | None = None
-    meta: dict = {}
-    if info.is_main:
-        try:
-            meta = _prepare(cfg, vocab_rows, show_progress=True)
-            if cfg.resume:
-                _check_same_data(Path(cfg.out), meta)
-        except (DataError, TokenizerError, OSError) as e:
-            error = e
-    if info.group is not None:
-        # Rank 0's result (or its error's text) reaches every rank, so no rank re-reads or
-        # re-hashes the data and none waits forever after a failure on rank 0. The object is
-        # our own dict of str/int (pickled between this job's ranks, never read from a file).
-        box = [(meta, None if error is None else f"{type(error).__name__}: {error}")]
-        dist.broadcast_object_list(box, src=0, group=info.group, device=info.device)
-        meta, message = box[0]
-        if message is not None and error is None:
-            raise DataError(f"rank 0 could not prepare the data: {message}")
-    if error is not None:
-        raise error
+
+    def prepare() -> dict:
+        meta = _prepare(cfg, vocab_rows, show_progress=True)
+        if cfg.resume:
+            _check_same_data(Path(cfg.out), meta)
+        return meta
+
+    # Rank 0's result (or its error) reaches every rank, so no rank re-reads or re-hashes the
+    # data; the others wait for it however long tokenizing takes (not a timed collective), and
+    # none waits forever after a failure on rank 0, which reports it (PeerFailed elsewhere).
+    meta = on_main(info, prepare)
     train_tokens = TokenFile(Path(meta["train_cache"]), meta["train_tokens"],
                              meta["train_records"], {}).memmap()
     L = meta["seq_len"]

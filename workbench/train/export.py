@@ -19,8 +19,11 @@ so its "bf16" export and its native MXFP4 layout ("gpt-oss") are written by
   `input_activations` of compressed-tensors' MXFP8 preset, so the export states what was trained.
 
 Every EP rank writes its own shard (rank 0 adds the dense tensors) into a temporary folder; rank 0
-merges one `model.safetensors.index.json`, writes `config.json`, fsyncs and renames the folder into
-place, so a crash never leaves a folder that looks like a finished export. Under FSDP
+adds the tokenizer, merges one `model.safetensors.index.json`, writes `config.json`, fsyncs and
+renames the folder into place (`workbench.train.export_folder`: only over an export the workbench
+wrote), so a crash or a failed step never leaves a folder that looks like a finished export. A
+failure on any rank (a full disk: "no space left on DEVICE while writing PATH") is raised on
+every rank, reported by the rank that met it. Under FSDP
 (`model.layout.fsdp`) rank 0 alone writes the same files, streamed (`_write_fsdp`): byte for byte
 the export of the same weights without FSDP at the same EP size.
 """
@@ -30,7 +33,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workbench._io import atomic_write_json, fsync_path, new_file_mode
+from workbench._io import atomic_write_json, fsync_path, new_file_mode, writing
 from workbench.arch import to_hf_config
 from workbench.formats import format_spec
 from workbench.model.experts import GroupedExperts
@@ -47,9 +49,12 @@ from workbench.model.hf import hf_name
 from workbench.qat import convert, pack_master, prepared_report
 from workbench.recipe import parse_qat_recipe
 from workbench.scope import QuantScope, infer_class
-from workbench.train import export_gpt_oss
+from workbench.train import export_folder, export_gpt_oss
+from workbench.train.distributed import DistInfo, agree
+from workbench.train.export_folder import ExportFolderError
 from workbench.train.fsdp import reshard_
 from workbench.train.safetensors_stream import StreamedFile, nbytes
+from workbench.train.tokenizer import copy_tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
 CT_VERSION = "0.20.1"  # the compressed-tensors release whose on-disk layout this reproduces
@@ -289,29 +294,10 @@ def _hf_config(model: nn.Module) -> dict:
     return cfg
 
 
-def recover_swap(out_dir: str | Path) -> None:
-    """Undo what a crash left of an earlier export's swap (`out_dir` -> `.old-*`, `.tmp-*` ->
-    `out_dir`, remove `.old-*`), so the next swap cannot fail on a leftover `.old-*`:
-    - `.old-*` and `out_dir` both present (killed after the second rename, or while `.old-*`
-      was being removed): `out_dir` is the newer complete export; `.old-*` goes;
-    - only `.old-*` (killed between the renames): it is the last complete export; it goes back
-      to `out_dir`, so readers find an export even if this one is killed too.
-    A `.tmp-*` folder is never complete until renamed; the export removes and rewrites it."""
-    out_dir = Path(out_dir)
-    old = out_dir.parent / f".old-{out_dir.name}"
-    if not old.exists():
-        return
-    if out_dir.exists():
-        shutil.rmtree(old)
-    else:
-        os.rename(old, out_dir)
-    fsync_path(out_dir.parent)
-
-
 def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
                  recipe: str | None = None, profile: str | None = None,
                  group: dist.ProcessGroup | None = None, packed: Mapping[str, Any] | None = None,
-                 scope=None) -> Path:
+                 scope=None, tokenizer: str | Path | None = None) -> Path:
     """Collective under EP (every rank of `group` calls it) and under FSDP (every rank of the
     world). Returns `out_dir`.
 
@@ -319,7 +305,8 @@ def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
     MXFP4 weights; "nvfp4"); `packed` may pass `workbench.qat.convert(model)`'s output, else it
     is computed (convert() when the model is prepared, the codec otherwise). A model sharded by
     `workbench.train.fsdp` (`model.layout.fsdp`) is streamed (`_write_fsdp`); `packed` is then
-    refused, as it would hold shards."""
+    refused, as it would hold shards. `tokenizer`: a folder whose tokenizer files go with the
+    export (copied before the swap, so an export never lacks them)."""
     from safetensors.torch import save_file
 
     if fmt not in EXPORT_FORMATS:
@@ -364,10 +351,6 @@ def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
             raise ExportError(f"recipe {recipe!r}: compressed-tensors has no dynamic activation "
                               f"scheme for {arecipe.fmt!r}; use --export bf16")
 
-    if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
     if fused:
         if group is not None and not fsdp and dist.get_world_size(group) != dist.get_world_size():
             raise ExportError("the gpt-oss export gathers experts over the world: the EP "
@@ -375,20 +358,38 @@ def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
         if packed is not None:
             raise ExportError("export_model(packed=...) is not taken by the gpt-oss export: it "
                               "packs each layer's experts as they reach rank 0")
+
+    # Every step that can fail runs on every rank of `group` between agreements, so a failure on
+    # one rank (a full disk, a foreign folder in the way) stops all of them, none waits forever.
+    info = DistInfo(rank, world, 0, torch.device("cpu"), group, False)
+    err: Exception | None = None
+    if rank == 0:
+        try:
+            export_folder.begin(out_dir)
+        except (ExportFolderError, OSError) as e:
+            err = e
+    agree(info, err)
+    if fused:
         if fsdp:
             reshard_(model)  # a no-grad forward can leave the root gathered: read the shards
-        entries = export_gpt_oss.write(model, tmp, fmt, _packer(model, wrecipe))
+        failed: list[OSError] = []
+        entries = export_gpt_oss.write(model, tmp, fmt, _packer(model, wrecipe), failed=failed)
+        agree(info, failed[0] if failed else None)
     elif fsdp:
-        entries = _write_fsdp(model, layout, tmp, fmt, wrecipe)  # rank 0 alone writes
+        entries, err = _write_fsdp(model, layout, tmp, fmt, wrecipe)  # rank 0 alone writes
+        agree(info, err)
     else:
         tensors = _expert_tensors(model, fmt, wrecipe, packed)
         if rank == 0:
             tensors = {**_dense_tensors(model), **tensors}
         shard = f"model-{rank + 1:05d}-of-{world:05d}.safetensors"
-        if group is not None:
-            dist.barrier(group=group)
-        save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
-        fsync_path(tmp / shard)
+        try:
+            with writing(tmp / shard):
+                save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
+                fsync_path(tmp / shard)
+        except OSError as e:
+            err = e
+        agree(info, err)
         # stored shapes travel with the names: the targets/ignore check needs to know what is a
         # matrix
         entry = (shard, {k: tuple(tensors[k].shape) for k in sorted(tensors)},
@@ -398,16 +399,20 @@ def export_model(model: nn.Module, out_dir: str | Path, *, fmt: str = "bf16",
             entries = [None] * world
             dist.all_gather_object(entries, entry, group=group)
 
+    err = None
     if rank == 0:
-        _finish(model, out_dir, tmp, entries, fmt, wrecipe, arecipe, scope)
-    if group is not None:
-        dist.barrier(group=group)
+        try:
+            _finish(model, out_dir, tmp, entries, fmt, wrecipe, arecipe, scope, tokenizer)
+        except (ExportError, ExportFolderError, OSError) as e:
+            err = e
+    agree(info, err)
     return out_dir
 
 
-def _finish(model, out_dir: Path, tmp: Path, entries, fmt, wrecipe, arecipe, scope) -> None:
-    """Rank 0, once every shard is on disk: the index and config.json, then the swap into place.
-    `entries`: (shard file, {name: shape}, bytes) per shard."""
+def _finish(model, out_dir: Path, tmp: Path, entries, fmt, wrecipe, arecipe, scope,
+            tokenizer: str | Path | None = None) -> None:
+    """Rank 0, once every shard is on disk: the tokenizer, the index and config.json, then the
+    swap into place. `entries`: (shard file, {name: shape}, bytes) per shard."""
     weight_map = {k: s for s, keys, _ in entries for k in keys}
     for shard, _, _ in entries:  # save_file makes 0o600 files: others on the cluster could not
         os.chmod(tmp / shard, new_file_mode())  # read the export (nor vLLM under another user)
@@ -424,16 +429,12 @@ def _finish(model, out_dir: Path, tmp: Path, entries, fmt, wrecipe, arecipe, sco
             wrecipe.fmt, targets, ignore, None if arecipe is None else arecipe.fmt)
     index = {"metadata": {"total_size": sum(n for _, _, n in entries)},
              "weight_map": dict(sorted(weight_map.items()))}
+    if tokenizer is not None:
+        copy_tokenizer(tokenizer, tmp)
     for name, obj in ((INDEX_FILE, index), ("config.json", hf_cfg)):
         atomic_write_json(tmp / name, obj, indent=2, sort_keys=True)
-    old = out_dir.parent / f".old-{out_dir.name}"
-    recover_swap(out_dir)
-    if out_dir.exists():
-        os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
-    fsync_path(out_dir.parent)
-    if old.exists():
-        shutil.rmtree(old)
+    fsync_path(tmp)
+    export_folder.swap_into_place(tmp, out_dir)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -454,7 +455,41 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _write_fsdp(model: nn.Module, layout, tmp: Path, fmt: str, wrecipe) -> list | None:
+class _RankZeroFile:
+    """Rank 0's streamed shard: the first write that fails (a full disk) is kept, not raised,
+    and later writes are skipped, so rank 0 keeps joining the gathers the other ranks are in;
+    the export raises it on every rank once the walk is over."""
+
+    def __init__(self, path: Path, plan: dict, failed: list[OSError]):
+        self.path, self.failed, self.f = path, failed, None
+        if failed:
+            return
+        try:
+            with writing(path):
+                self.f = StreamedFile(path, plan, {"format": "pt"})
+        except OSError as e:
+            failed.append(e)
+
+    def _guard(self, fn) -> None:
+        try:
+            with writing(self.path):
+                fn()
+        except OSError as e:
+            self.failed.append(e)
+            self.f = None
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        if self.f is not None:
+            self._guard(lambda: self.f.write(name, t))
+
+    def close(self) -> None:
+        if self.f is not None:
+            self._guard(self.f.close)
+
+
+def _write_fsdp(model: nn.Module, layout, tmp: Path, fmt: str, wrecipe
+                ) -> tuple[list | None, OSError | None]:
+    """(rank 0: the shards' entries, else None; rank 0's first write failure, if any)."""
     reshard_(model)  # a no-grad forward can leave the root gathered: read the shards
     rank, ep = dist.get_rank(), layout.ep
     e_idx, d_idx = rank % ep, rank // ep  # Layout: rank = d * ep + e
@@ -468,6 +503,7 @@ def _write_fsdp(model: nn.Module, layout, tmp: Path, fmt: str, wrecipe) -> list 
              if n.rpartition(".")[0] not in expert_mods]
     device = next(model.parameters()).device
     entries = []
+    failed: list[OSError] = []
     for k in range(ep):
         shard = f"model-{k + 1:05d}-of-{ep:05d}.safetensors"
         units: list[tuple[str, Any, dict]] = []
@@ -484,7 +520,7 @@ def _write_fsdp(model: nn.Module, layout, tmp: Path, fmt: str, wrecipe) -> list 
                         names[f"{n}.{k * E + j}.{proj}.{suffix}"] = de
             units.append(("experts", (n, m), names))
         plan = {name: de for _, _, names in units for name, de in names.items()}
-        writer = StreamedFile(tmp / shard, plan, {"format": "pt"}) if rank == 0 else None
+        writer = _RankZeroFile(tmp / shard, plan, failed) if rank == 0 else None
         for kind, obj, names in units:
             if kind == "dense":
                 n, p = obj
@@ -526,4 +562,4 @@ def _write_fsdp(model: nn.Module, layout, tmp: Path, fmt: str, wrecipe) -> list 
             writer.close()
             entries.append((shard, {x: plan[x][1] for x in sorted(plan)},
                             sum(nbytes(*de) for de in plan.values())))
-    return entries if rank == 0 else None
+    return (entries if rank == 0 else None), (failed[0] if failed else None)

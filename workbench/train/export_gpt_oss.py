@@ -33,7 +33,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
-from workbench._io import fsync_path
+from workbench._io import fsync_path, writing
 from workbench.model.experts import GroupedExperts
 from workbench.model.hf import hf_name
 
@@ -106,9 +106,13 @@ def _send_recv(tensors: dict[str, torch.Tensor] | None, src: int, like: dict[str
     return None
 
 
-def write(model: nn.Module, tmp: Path, fmt: str, pack) -> list[tuple[str, dict, int]] | None:
+def write(model: nn.Module, tmp: Path, fmt: str, pack, *, failed: list[OSError] | None = None
+          ) -> list[tuple[str, dict, int]] | None:
     """Write the export's shards into `tmp` (rank 0); collective over the world when
-    distributed. Returns rank 0's (shard, {name: shape}, bytes) entries, None elsewhere."""
+    distributed. Returns rank 0's (shard, {name: shape}, bytes) entries, None elsewhere.
+    `failed`: rank 0's first failed write (a full disk) is appended there instead of raised and
+    later writes are skipped, so rank 0 keeps joining the other ranks' sends; the caller raises
+    it on every rank once the walk is over."""
     if fmt not in FORMATS:
         raise ValueError(f"gpt-oss export format must be one of {FORMATS}, got {fmt!r}")
     distributed = dist.is_initialized() and dist.get_world_size() > 1
@@ -123,8 +127,17 @@ def write(model: nn.Module, tmp: Path, fmt: str, pack) -> list[tuple[str, dict, 
 
     def save(index: int, tensors: dict[str, torch.Tensor]) -> None:
         shard = f"model-{index + 1:05d}-of-{units:05d}.safetensors"
-        save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
-        fsync_path(tmp / shard)
+        if failed:
+            return
+        try:
+            with writing(tmp / shard):
+                save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
+                fsync_path(tmp / shard)
+        except OSError as e:
+            if failed is None:
+                raise
+            failed.append(e)
+            return
         entries.append((shard, {k: tuple(v.shape) for k, v in sorted(tensors.items())},
                         sum(v.numel() * v.element_size() for v in tensors.values())))
 

@@ -23,6 +23,11 @@ or LR step, the next step trains on the next batch), counted as `skipped_steps` 
 Preemption seam: `request_stop()` only sets a flag (safe inside a signal handler). At every step
 boundary the ranks all-reduce it; if any rank asked, all ranks write a DCP checkpoint and
 `train` returns with `stopped=True`. Nothing else in the loop is interrupted mid-step.
+
+Rank 0's own writes (metrics.jsonl, data.json, result.json) that fail (a full disk) do not raise
+on the spot, where the other ranks would wait for rank 0 in their next collective: the failure
+rides on the same step-boundary all-reduce (or an agreement after the write) and every rank
+stops together; rank 0 reports it (`workbench.train.distributed`).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from workbench import kernels
-from workbench._io import atomic_write_json
+from workbench._io import atomic_write_json, writing
 from workbench.kernels.sumsq import sum_of_squares
 from workbench.train import checkpointing as ckpt
 from workbench.train import distill
@@ -48,15 +53,15 @@ from workbench.train.config import TrainConfig
 from workbench.train.data import global_batch, rank_slice
 from workbench.train.datasets import DATA_JSON, load_train_data
 from workbench.train.determinism import enable as enable_determinism
-from workbench.train.distributed import DistInfo, all_reduce_max, all_reduce_sum, barrier
+from workbench.train.distributed import DistInfo, PeerFailed, agree, all_reduce_max, all_reduce_sum
 from workbench.train.expert_stats import ExpertStatsRecorder
 from workbench.train.export import export_model
 from workbench.train.fqtime import FakeQuantTimer
 from workbench.train.memory import SavedTensorMeter, state_bytes
-from workbench.train.metrics import MetricsWriter, truncate_metrics
-from workbench.train.resume_config import check_resume_config, checkpoint_meta
+from workbench.train.metrics import METRICS_FILE, MetricsWriter, truncate_metrics
+from workbench.train.resume_config import checkpoint_meta
 from workbench.train.router_bias import update_router_biases_
-from workbench.train.tokenizer import copy_tokenizer
+from workbench.train.startup import OpenRun, open_run
 from workbench.model import is_expert_param
 from workbench.model import sync_gradients
 
@@ -79,9 +84,39 @@ class NonFiniteStep(RuntimeError):
     step, the values and the last good checkpoint."""
 
 
-def _any_rank_stopping(info: DistInfo) -> bool:
-    flag = torch.tensor([1.0 if _stop_requested else 0.0], device=info.device)
-    return bool(all_reduce_sum(flag, info).item() > 0)
+class _Deferred:
+    """The first failure of a write only this rank makes into `path` (rank 0's metrics line),
+    kept until the next step boundary shares it with every rank."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.error: OSError | None = None
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> None:
+        if self.error is not None:
+            return
+        try:
+            with writing(self.path):
+                fn(*args)
+        except OSError as e:
+            self.error = e
+
+
+def _any_rank_stopping(info: DistInfo, deferred: _Deferred | None = None) -> bool:
+    """The step boundary, collective: whether any rank asked to stop; a deferred write failure
+    on any rank is raised on every rank (the lowest failing rank's own error, PeerFailed on the
+    others). One all-reduce of two numbers, as cheap as the flag alone."""
+    failed = deferred is not None and deferred.error is not None
+    flags = torch.tensor([1.0 if _stop_requested else 0.0,
+                          float(info.world - info.rank) if failed else 0.0], device=info.device)
+    stop, code = all_reduce_max(flags, info).tolist()
+    if code > 0:
+        reporter = info.world - int(code)
+        if reporter == info.rank:
+            deferred.error.reporter = reporter
+            raise deferred.error
+        raise PeerFailed(f"rank {reporter} failed")
+    return stop > 0
 
 
 def _mean_over_ranks(x: float, info: DistInfo) -> float:
@@ -282,29 +317,25 @@ def _nonfinite_message(rec: dict, cfg: TrainConfig, out: Path, last_saved: int) 
             f"nothing exported; {good}; {allowed}--skip-nonfinite-steps N skips such steps")
 
 
-def check_fresh_start(cfg: TrainConfig) -> None:
-    """A run without --resume must not start in a folder that holds another run's checkpoints."""
-    found = ckpt.list_complete(cfg.out) if not cfg.resume else []
-    if found:
-        # A later --resume would pick the old run's newest checkpoint over this run's.
-        raise FileExistsError(f"{cfg.out} already holds checkpoints of a run "
-                              f"(newest step {found[-1].step}); pass --resume "
-                              "to continue it, or choose a new --out")
-    if cfg.resume:  # before anything in the run folder is written
-        check_resume_config(cfg)
-
-
 def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
-          on_step: Callable[[dict], None] | None = None, return_model: bool = False):
+          on_step: Callable[[dict], None] | None = None, return_model: bool = False,
+          opened: OpenRun | None = None):
     """Run (or resume) `cfg` on this rank; every rank calls it. Returns the result dict
-    (JSON-able; submitit pickles it back to the caller), or (result, model) with return_model."""
+    (JSON-able; submitit pickles it back to the caller), or (result, model) with return_model.
+    `opened`: the run folder the caller opened already (`startup.open_run`; `cli.run` does);
+    else train opens it here (claim and lock), and releases it when it returns."""
     cfg.check_world(info.world)
     enable_determinism(cfg.deterministic)  # for callers that skip cli.main
+    run = opened if opened is not None else open_run(cfg, info)
+    try:
+        return _train(cfg, info, logger=logger, on_step=on_step, return_model=return_model)
+    finally:
+        if opened is None:
+            run.release()
+
+
+def _train(cfg: TrainConfig, info: DistInfo, *, logger, on_step, return_model):
     out = Path(cfg.out)
-    check_fresh_start(cfg)
-    if info.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-    barrier(info)
     torch.manual_seed(cfg.seed + info.rank)
     found = None
     b = build(cfg, info, resuming=cfg.resume and bool(ckpt.candidates(out)))
@@ -319,16 +350,26 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
         start = found.step
         if info.is_main:
             print(f"[train] resumed from {found.path} (step {start})", flush=True)
+    err = None
     if info.is_main:
-        truncate_metrics(out, start) if cfg.resume else (out / "metrics.jsonl").unlink(
-            missing_ok=True)
-    if info.is_main and corpus.info:
-        atomic_write_json(out / DATA_JSON, corpus.info)
-    barrier(info)
+        try:
+            if cfg.resume:
+                truncate_metrics(out, start)
+            else:
+                (out / METRICS_FILE).unlink(missing_ok=True)
+            if corpus.info:
+                atomic_write_json(out / DATA_JSON, corpus.info)
+        except OSError as e:
+            err = e
+    agree(info, err)
     stats = None
     if cfg.stats_every:
         stats = ExpertStatsRecorder(model, info, out, resume_step=start if found else None)
-    writer = MetricsWriter(out) if info.is_main else None
+    deferred = _Deferred(out / METRICS_FILE)  # rank 0's writes: a failure stops all
+    writer = None
+    if info.is_main:
+        with writing(out / METRICS_FILE):
+            writer = MetricsWriter(out)
     meta = checkpoint_meta(cfg)
     protect = found.step if found is not None else None  # never pruned by this run
 
@@ -347,7 +388,7 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
         if stats is not None and found is None:
             stats.record(0)  # the map before training: the drift and churn baseline
         while step < cfg.steps:
-            if _any_rank_stopping(info):
+            if _any_rank_stopping(info, deferred):
                 stopped = True
                 break
             step += 1
@@ -359,7 +400,7 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
                 rec["skipped_steps"] = skipped
                 if skipped > cfg.skip_nonfinite_steps:
                     if info.is_main:
-                        writer.write(rec)  # the curve shows where it stopped
+                        deferred.run(writer.write, rec)  # the curve shows where it stopped
                     raise NonFiniteStep(_nonfinite_message(rec, cfg, out, last_saved))
                 if info.is_main:
                     print(f"[train] step {step}: {_values(rec)}: skipped ({skipped} of at most "
@@ -375,11 +416,16 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
             if not math.isfinite(loss):
                 rec["diverged"] = True
             if stats is not None and (step % cfg.stats_every == 0 or step == cfg.steps):
-                rec.update(stats.record(step))
+                err = None
+                try:  # rank 0 rewrites the parquet file after the ranks' gather
+                    rec.update(stats.record(step))
+                except OSError as e:
+                    err = e
+                agree(info, err)
                 if info.is_main and logger is not None:
                     logger.log_table("expert_stats", stats.table(step), step)
             if info.is_main:
-                writer.write(rec)
+                deferred.run(writer.write, rec)
                 if logger is not None:
                     logger.log({k: v for k, v in rec.items() if k != "step"}, step)
                 if on_step is not None:
@@ -391,6 +437,7 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
                 ckpt.save(out, model, opt, sched, step, info, keep=cfg.keep, meta=meta,
                           protect=protect)
                 last_saved = step
+        agree(info, deferred.error)  # the last step's metrics line, before the final save
         if last_saved != step:  # final or preemption checkpoint
             ckpt.save(out, model, opt, sched, step, info, keep=cfg.keep, meta=meta,
                       protect=protect)
@@ -409,13 +456,16 @@ def train(cfg: TrainConfig, info: DistInfo, *, logger=None,
         "checkpoint": str(ckpt.checkpoint_root(out) / f"step_{step:08d}"),
     }
     if not stopped and cfg.export:
-
+        # the export is usable with its own tokenizer, copied in before the swap into place
         path = export_model(model, out / "export", fmt=cfg.export, recipe=cfg.recipe,
-                            profile=cfg.profile, group=info.group)
+                            profile=cfg.profile, group=info.group,
+                            tokenizer=corpus.info.get("tokenizer") if corpus.info else None)
         result["export"] = str(path)
-        if info.is_main and corpus.info:  # the export is usable with its own tokenizer
-            copy_tokenizer(corpus.info["tokenizer"], path)
+    err = None
     if info.is_main:
-        atomic_write_json(out / "result.json", result)
-    barrier(info)
+        try:
+            atomic_write_json(out / "result.json", result)
+        except OSError as e:
+            err = e
+    agree(info, err)
     return (result, model) if return_model else result
