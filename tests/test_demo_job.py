@@ -9,6 +9,7 @@ import importlib.util
 from pathlib import Path
 
 import workbench.demo
+import workbench.eval.cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,8 +29,14 @@ def test_the_demo_runs_every_notebook_in_order(tmp_path, monkeypatch):
     monkeypatch.setattr(workbench.demo, "demo_checkpoint", lambda steps: fake)
     monkeypatch.setattr(demo, "run_notebook",
                         lambda name, out, parameters: ran.append((name, parameters)) or out / name)
+    evals: list[list[str]] = []
+    monkeypatch.setattr(workbench.eval.cli, "main", lambda argv: evals.append(argv) or 0)
     monkeypatch.chdir(tmp_path)  # main() moves to the repository; the test's cwd comes back
     assert demo.main(["--out", str(tmp_path / "out")]) == 0
+    # the README's Evaluate table: the BF16 model, its PTQ and the QAT run, on the shipped tasks
+    [argv] = evals
+    assert argv[:3] == [str(fake.init), f"ptq:mxfp4@{fake.init}", str(fake.run)]
+    assert argv[argv.index("--tasks") + 1] == "wb_code_choice,wb_code_complete"
     names = [name for name, _ in ran]
     assert names == sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
     params = dict(ran)
