@@ -220,8 +220,10 @@ def _probe_load(argv: list[str], info) -> None:
         recs = [None] * info.world
         dist.all_gather_object(recs, rec, group=info.group)
     if info.is_main:
-        Path(cfg.out).mkdir(parents=True, exist_ok=True)
-        _write_json(Path(cfg.out) / "load_probe.json", recs)
+        # beside the run folder, not in it: a run folder holds only what the trainer writes
+        out = Path(cfg.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _write_json(out.parent / f"{out.name}.load_probe.json", recs)
         for r in recs:
             print("[ep2] load " + json.dumps(r), flush=True)
     del model
@@ -294,8 +296,13 @@ def cmd_kill_at(args) -> dict:
     from workbench.train.checkpointing import list_complete
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    log = open(out / "killed_run.log", "w")  # noqa: SIM115 - handed to the child
+    # what the protocol keeps of the kill lies beside the run folder, never in it: a
+    # run folder holds only what the trainer writes, and its resume refuses anything else
+    def beside(name: str) -> Path:
+        return out.with_name(f"{out.name}.{name}")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = open(beside("killed_run.log"), "w")  # noqa: SIM115 - handed to the child
 
     def _terminated(signum, frame):  # `timeout` stops us: the finally below reaps the tree
         raise SystemExit(f"kill-at: stopped by signal {signum}")
@@ -309,7 +316,7 @@ def cmd_kill_at(args) -> dict:
         while True:
             if proc.poll() is not None:
                 raise SystemExit(f"kill-at: the run ended (rc {proc.returncode}) before step "
-                                 f"{args.step}; see {out / 'killed_run.log'}")
+                                 f"{args.step}; see {beside('killed_run.log')}")
             if time.monotonic() - t0 > args.timeout:
                 raise SystemExit(f"kill-at: step {args.step} not reached in {args.timeout} s")
             if _last_step(out) >= args.step and list_complete(out):
@@ -341,8 +348,8 @@ def cmd_kill_at(args) -> dict:
         signal.signal(signal.SIGTERM, old_handler)
     if (out / "metrics.jsonl").is_file():
         # --resume truncates metrics.jsonl; keep the pre-kill steps to compare with the rerun.
-        shutil.copyfile(out / "metrics.jsonl", out / "metrics_before_kill.jsonl")
-    _write_json(out / "kill.json", rec)
+        shutil.copyfile(out / "metrics.jsonl", beside("metrics_before_kill.jsonl"))
+    _write_json(beside("kill.json"), rec)
     print("[ep2] kill " + json.dumps(rec), flush=True)
     if rec["survivors"]:
         raise SystemExit(f"kill-at: processes {rec['survivors']} survived SIGKILL")

@@ -84,8 +84,8 @@ def resume_check(qat: Path) -> dict:
         df = read_metrics(path, missing_ok=True)
         return dict(zip(df["step"].astype(int), df["loss"]))
 
-    kill = _json(qat / "kill.json") or {}
-    before = losses(qat / "metrics_before_kill.jsonl")
+    kill = _json(qat.parent / f"{qat.name}.kill.json") or {}
+    before = losses(qat.parent / f"{qat.name}.metrics_before_kill.jsonl")
     after = losses(qat)
     resumed_from = max(kill.get("complete_checkpoints") or [0])
     both = sorted(s for s in before if s > resumed_from and s in after)
@@ -98,10 +98,10 @@ def resume_check(qat: Path) -> dict:
 
 
 def load_probe(work: Path) -> dict:
-    recs = _json(work / "bf16" / "load_probe.json")
+    recs = _json(work / "bf16.load_probe.json")
     init = _json(work / "init_stats.json") or {}
     if not recs:
-        return {"error": "no load_probe.json"}
+        return {"error": "no bf16.load_probe.json"}
     world = len(recs)
     own = init.get("dense_bytes", 0) + init.get("expert_bytes", 0) / world
     return {"ranks": recs, "checkpoint_expert_bytes": init.get("expert_bytes"),

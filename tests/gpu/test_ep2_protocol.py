@@ -58,6 +58,7 @@ def test_preset_variant_rejects_unknown_names(bad):
 _FAKE = textwrap.dedent("""
     import json, os, subprocess, sys, time
     out = sys.argv[1]
+    os.makedirs(out, exist_ok=True)  # as the trainer makes its run folder
     g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
                          start_new_session=True)
     open(os.path.join(out, "grandchild.pid"), "w").write(str(g.pid))
@@ -86,7 +87,7 @@ def test_kill_at_sigkills_the_whole_tree(tmp_path):
     assert rec["complete_checkpoints"] == [2]
     assert not Path(f"/proc/{grandchild}").exists() or "Z" in Path(
         f"/proc/{grandchild}/stat").read_text().split(")")[1][:3]
-    before = (out / "metrics_before_kill.jsonl").read_text().splitlines()
+    before = Path(f"{out}.metrics_before_kill.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in before][:4] == [1, 2, 3, 4]
     time.sleep(0.3)  # nothing writes after the kill
     assert len((out / "metrics.jsonl").read_text().splitlines()) == rec["last_metrics_step"]

@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import REPO, TINY, env, run
 
+from workbench.train.export_folder import MARKER
 from workbench.train.safetensors_stream import StreamedFile
 
 
@@ -72,7 +73,8 @@ def _worker(out: Path, nproc: int, ep: int, recipes: str) -> None:
 def _same_export(a: Path, b: Path, n_files: int) -> None:
     names = sorted(p.name for p in a.iterdir())
     shards = [f"model-{k + 1:05d}-of-{n_files:05d}.safetensors" for k in range(n_files)]
-    assert names == sorted(["config.json", "model.safetensors.index.json", *shards])
+    # MARKER: the file that makes an export folder the workbench's (export_folder)
+    assert names == sorted([MARKER, "config.json", "model.safetensors.index.json", *shards])
     assert names == sorted(p.name for p in b.iterdir())
     for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes(), (a, name)
@@ -104,17 +106,20 @@ def test_world2_fsdp_export_is_the_export_without_fsdp_byte_for_byte(tmp_path, e
 
 @pytest.mark.distributed
 def test_trainer_exports_under_fsdp_like_a_resume_without_fsdp(tmp_path):
-    """The trainer's path (`--ep 1 --fsdp --export`), over leftovers of a crashed earlier export
-    (a stale `.tmp-export`, an `.old-export` left between the renames); the same checkpoint
-    resumed in one process without FSDP exports the same bytes."""
+    """The trainer's path (`--ep 1 --fsdp --export`), also over leftovers of a crashed earlier
+    export of the run (a stale `.tmp-export`, an `.old-export` left between the renames, each
+    with the export marker); the same checkpoint resumed in one process without FSDP exports
+    the same bytes."""
     out = tmp_path / "run"
-    (out / ".tmp-export").mkdir(parents=True)
-    (out / ".tmp-export" / "stale").write_text("x")
-    (out / ".old-export").mkdir()
-    (out / ".old-export" / "stale").write_text("x")
     args = [*TINY, "--recipe", "nvfp4", "--steps", "2", "--val-every", "0", "--ckpt-every", "0",
             "--export", "compressed-tensors", "--out", str(out)]
     run(2, [*args, "--ep", "1", "--fsdp"])
+    marker = (out / "export" / MARKER).read_bytes()
+    for left in (".tmp-export", ".old-export"):
+        (out / left).mkdir()
+        (out / left / MARKER).write_bytes(marker)
+        (out / left / "stale").write_text("x")
+    run(2, [*args, "--ep", "1", "--fsdp", "--resume"])  # step 2 = steps: trains nothing, exports
     assert sorted(p.name for p in out.iterdir() if "export" in p.name) == ["export"]
     assert not (out / "export" / "stale").exists()
     result = json.loads((out / "result.json").read_text())

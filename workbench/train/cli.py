@@ -228,7 +228,11 @@ def cli(argv: list[str] | None = None, prog: str = PROG) -> dict:
         return run(cfg)
     except Exception as e:
         if not hasattr(e, "report_line"):
-            raise
+            if not isinstance(e, USER_ERRORS):
+                raise
+            # failed before the process group (resolving --init): every rank fails alike and,
+            # as for the command line, rank 0 says why
+            e.report_line = _message(e) if _rank_from_env() == 0 else None
         if e.report_line is not None:
             print(f"error: {e.report_line}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
