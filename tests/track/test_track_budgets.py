@@ -142,6 +142,22 @@ def test_verdicts_published_to_wandb(wandb_dir):
     assert all(a["text"].startswith("judged: ") for a in run.alerts)
 
 
+def test_expert_budget_configs_are_validated():
+    from workbench.track.expert_stats import ChurnBelow, DeadExpertsAtMost, ExpertErrorBelow
+
+    for bad, field in ((lambda: ExpertErrorBelow(0), "limit"),
+                       (lambda: ExpertErrorBelow(math.inf), "limit"),
+                       (lambda: DeadExpertsAtMost(-1), "count"),
+                       (lambda: DeadExpertsAtMost(1.5), "count"),
+                       (lambda: ChurnBelow(5.0), "limit"),  # 5%, written as a percentage
+                       (lambda: ChurnBelow(math.nan), "limit"),
+                       (lambda: ChurnBelow(0.25, warmup=-1), "warmup")):
+        with pytest.raises(ValueError, match=field):
+            bad()
+    # the values a user sets are accepted
+    ExpertErrorBelow(0.5), DeadExpertsAtMost(0), ChurnBelow(0.25, warmup=10)
+
+
 def test_warmup_is_validated():
     for cls in (StepTimeRatio, TokensPerSecRatio, FakeQuantShare):
         with pytest.raises(ValueError, match="warmup"):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from workbench.track.budgets import Verdict
+from workbench.track.budgets import Verdict, _positive
 from workbench.train.expert_stats import read_expert_stats
 
 __all__ = [
@@ -78,6 +78,9 @@ class ExpertErrorBelow:
 
     limit: float
 
+    def __post_init__(self) -> None:
+        _positive("ExpertErrorBelow", limit=self.limit)
+
     @property
     def name(self) -> str:
         return f"worst expert rel_err <= {self.limit:g}"
@@ -93,6 +96,11 @@ class DeadExpertsAtMost:
     record intervals (`experts_dead`, default 3 intervals), at the newest record."""
 
     count: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 0:
+            raise ValueError(f"DeadExpertsAtMost: count must be an integer >= 0, got "
+                             f"{self.count!r}")
 
     @property
     def name(self) -> str:
@@ -110,6 +118,13 @@ class ChurnBelow:
 
     limit: float
     warmup: int = 0
+
+    def __post_init__(self) -> None:
+        # churn is a share of codes in [0, 1]: a limit above 1 is a typo (a percentage?)
+        if not (isinstance(self.limit, (int, float)) and 0 < self.limit <= 1):
+            raise ValueError(f"ChurnBelow: limit must be in (0, 1], got {self.limit!r}")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"ChurnBelow: warmup must be an integer >= 0, got {self.warmup!r}")
 
     @property
     def name(self) -> str:
