@@ -84,8 +84,8 @@ def _run(tree: Path, bench: str, gpu: bool, scratch: Path) -> dict[str, float]:
     p = subprocess.run([sys.executable, *_cmd(bench, gpu, scratch)], cwd=tree, env=env,
                        capture_output=True, text=True, check=False)
     if p.returncode != 0:
-        raise SystemExit(f"error: {bench} in {tree} exited {p.returncode}: "
-                         f"{p.stderr.strip().splitlines()[-1:] or p.stdout[-300:]}")
+        last = (p.stderr.strip().splitlines() or p.stdout.strip().splitlines() or [""])[-1]
+        raise SystemExit(f"error: {bench} in {tree} exited {p.returncode}: {last}")
     return PARSE[bench](out, p.stdout)
 
 
