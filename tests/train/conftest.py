@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +42,52 @@ def run(nproc: int, args: list[str], timeout: float = 300) -> subprocess.Complet
         raise AssertionError(f"{command(nproc, args)} failed ({p.returncode}):\n"
                              f"{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
     return p
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_processes(worker: Path, n: int, args: list[str], extra_env: dict | None = None,
+                   timeout: float = 400) -> list[subprocess.CompletedProcess]:
+    """`worker` in `n` processes, one per rank, wired as torchrun wires them (without its agent,
+    so each rank's own exit code and stderr come back); a single process when n is 1."""
+    if n == 1:
+        return [subprocess.run([sys.executable, str(worker), *args], cwd=REPO, text=True,
+                               env={**env(), **(extra_env or {})}, capture_output=True,
+                               timeout=timeout, check=False)]
+    port = _free_port()
+    procs = []
+    for rank in range(n):
+        e = {**env(), **(extra_env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
+             "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, str(worker), *args], env=e, cwd=REPO,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    done = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return done
+
+
+def one_error_line(ps: list[subprocess.CompletedProcess], *never: str) -> str:
+    """Every rank exits 2 without a traceback (nor any of `never` in its stderr); one `error:`
+    line in all of their stderr, the trainer's ("error: ...") or its command line's, in
+    argparse's form ("PROG: error: ...")."""
+    for p in ps:
+        assert p.returncode == 2, (p.returncode, p.stderr[-4000:])
+        for word in ("Traceback", *never):
+            assert word not in p.stderr, p.stderr[-4000:]
+    lines = [ln for p in ps for ln in p.stderr.splitlines() if re.match(r"(\S+: )?error: ", ln)]
+    assert len(lines) == 1, [p.stderr[-2000:] for p in ps]
+    return lines[0]
 
 
 def metrics(out: Path) -> list[dict]:

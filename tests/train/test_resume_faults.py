@@ -6,13 +6,11 @@ reported in one line per run, and the fall-back to an older checkpoint is agreed
 from __future__ import annotations
 
 import math
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, env, metrics
+from conftest import TINY, metrics, one_error_line, rank_processes
 
 from workbench.train.checkpointing import list_complete
 
@@ -21,40 +19,12 @@ WORKER = Path(__file__).with_name("resume_fault_worker.py")
 ARGS = [*TINY, "--recipe", "bf16", "--steps", "8", "--ckpt-every", "4", "--val-every", "0"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_ranks(args: list[str], extra_env: dict | None = None) -> list[subprocess.CompletedProcess]:
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        e = {**env(), **(extra_env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
-             "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=e, cwd=REPO,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    done = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=400)
-            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return done
+    return rank_processes(WORKER, 2, args, extra_env)
 
 
 def _assert_one_line_per_run(ps: list[subprocess.CompletedProcess]) -> str:
-    """Every rank exits 2 without a traceback; one line `error: ...` in all of their output."""
-    for p in ps:
-        assert p.returncode == 2, (p.returncode, p.stderr[-4000:])
-        assert "Traceback" not in p.stderr and "CheckpointException" not in p.stderr, p.stderr
-    lines = [ln for p in ps for ln in p.stderr.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1, [p.stderr for p in ps]
-    return lines[0]
+    return one_error_line(ps, "CheckpointException")
 
 
 @pytest.fixture(scope="module")

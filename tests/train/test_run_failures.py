@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, command, env
+from conftest import REPO, TINY, command, env, one_error_line, rank_processes
 
 from workbench.cli import main as workbench_cli
 from workbench.train.checkpointing import list_complete
@@ -24,47 +23,13 @@ ARGS = [*TINY, "--recipe", "bf16", "--val-every", "0"]
 WORKER = Path(__file__).with_name("fault_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ranks(n: int, args: list[str], extra_env: dict | None = None, timeout: float = 400
            ) -> list[subprocess.CompletedProcess]:
     """The trainer (with fault_worker's injections) in `n` processes, one per rank."""
-    if n == 1:
-        return [subprocess.run([sys.executable, str(WORKER), *args], cwd=REPO, text=True,
-                               env={**env(), **(extra_env or {})}, capture_output=True,
-                               timeout=timeout, check=False)]
-    port = _free_port()
-    procs = []
-    for rank in range(n):
-        e = {**env(), **(extra_env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
-             "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=e, cwd=REPO,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    done = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return done
+    return rank_processes(WORKER, n, args, extra_env, timeout)
 
 
-def _one_line_per_run(ps: list[subprocess.CompletedProcess]) -> str:
-    """Every rank exits 2 without a traceback; one `error:` line in all of their stderr."""
-    for p in ps:
-        assert p.returncode == 2, (p.returncode, p.stderr[-4000:])
-        assert "Traceback" not in p.stderr, p.stderr[-4000:]
-    # "error: ..." (the trainer), or "PROG: error: ..." (its command line, argparse's form)
-    lines = [ln for p in ps for ln in p.stderr.splitlines() if re.match(r"(\S+: )?error: ", ln)]
-    assert len(lines) == 1, [p.stderr[-2000:] for p in ps]
-    return lines[0]
+_one_line_per_run = one_error_line
 
 
 @pytest.fixture(scope="module")
