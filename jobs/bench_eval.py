@@ -103,7 +103,7 @@ def write_tasks(folder: Path, docs: int, gen_docs: int, max_gen: int, seed: int 
 
 def write_models(out: Path, name: str, layers: int | None, recipe: str, device: str,
                  vocab: int) -> tuple[Path, Path]:
-    cfg = preset(name) if layers is None else preset(name).replace(num_layers=layers)
+    cfg = preset(name) if layers is None else preset(name).with_layers(layers)
     model = MoEForCausalLM(cfg, seed=0, device=device, dtype=torch.float32)
     bf16, packed = out / "bf16", out / f"packed-{recipe}"
     export_model(model, bf16, fmt="bf16")

@@ -100,6 +100,29 @@ def _unpack(rev: str, into: Path) -> Path:
     return tree
 
 
+def _table(samples: dict[tuple[str, str], dict[str, list[float]]], label: str, rounds: int) -> str:
+    lines = [f"After {rounds} round(s).", "",
+             f"| bench | measure | base ({label}) | head | head vs base, time | rounds |",
+             "|---|---|---|---|---|---|"]
+    for (bench, k), by in samples.items():
+        if set(by) != {"base", "head"}:
+            continue
+        inv = k.endswith(HIGHER_IS_BETTER)
+        n = min(len(by["base"]), len(by["head"]))
+        b, h = statistics.median(by["base"][:n]), statistics.median(by["head"][:n])
+        # each round's own ratio: their spread is the noise the median ratio is read against
+        per = sorted((x / y if inv else y / x) for x, y in zip(by["base"], by["head"]))
+        lines.append(f"| {bench} | {k} | {b:.4g} | {h:.4g} | {(b / h if inv else h / b):.3f}x "
+                     f"| {per[0]:.2f}-{per[-1]:.2f}x |")
+    return "\n".join(lines)
+
+
+def _write(text: str) -> None:
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+        (Path(os.environ["OUT"]) / "bench_revisions.md").write_text(text + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     g = ap.add_mutually_exclusive_group(required=True)
@@ -124,23 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"round {rnd + 1}/{a.rounds}: {bench} in {side}", file=sys.stderr)
                     for k, v in _run(sides[side], bench, a.gpu, scratch).items():
                         samples.setdefault((bench, k), {}).setdefault(side, []).append(v)
-    label = a.base or str(a.base_tree)
-    lines = [f"| bench | measure | base ({label}) | head | head vs base, time | rounds |",
-             "|---|---|---|---|---|---|"]
-    for (bench, k), by in samples.items():
-        if set(by) != {"base", "head"}:
-            continue
-        inv = k.endswith(HIGHER_IS_BETTER)
-        b, h = statistics.median(by["base"]), statistics.median(by["head"])
-        # each round's own ratio: their spread is the noise the median ratio is read against
-        per = sorted((x / y if inv else y / x) for x, y in zip(by["base"], by["head"]))
-        lines.append(f"| {bench} | {k} | {b:.4g} | {h:.4g} | {(b / h if inv else h / b):.3f}x "
-                     f"| {per[0]:.2f}-{per[-1]:.2f}x |")
-    text = "\n".join(lines)
-    print(text)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        (Path(os.environ["OUT"]) / "bench_revisions.md").write_text(text + "\n")
+            # the table so far after every round: a run cut short by a time limit keeps its rounds
+            _write(_table(samples, a.base or str(a.base_tree), rnd + 1))
+    print(_table(samples, a.base or str(a.base_tree), a.rounds))
     return 0
 
 

@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     if args.layers:
         name = f"{args.preset}-L{args.layers}"
         if name not in PRESETS:
-            register_preset(name, lambda **kw: preset(args.preset, num_layers=args.layers, **kw))
+            register_preset(name, lambda **kw: preset(args.preset, **kw).with_layers(args.layers))
     tokens = load_corpus().train
     batches = [int(b) for b in args.batch.split(",")]
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -81,7 +81,7 @@ fi
 if [[ $STAGES == *ep2* ]]; then
   stamp "ep2_protocol --nproc 1 --deterministic"
   # what is left of ~580 s, less the report's share (the protocol cuts late phases to fit)
-  left=$(( 580 - ($(date +%s) - START) ))
+  left=${EP1_LEFT:-$(( 580 - ($(date +%s) - START) ))}  # EP1_LEFT: a calling job's own share
   [ "$left" -lt 150 ] && left=150
   [ "${DRY_RUN:-}" = cpu ] && left=900
   PYTHON="$PY" bash jobs/gpu/ep2_protocol.sh "${EP1[@]}" --nproc 1 --deterministic --steps "${EP1_STEPS:-60}" \

@@ -1,29 +1,31 @@
 #!/usr/bin/env bash
 # The trainer step at the shape of a real QAT run on one GPU, one command (each stage has its
 # own time limit, the whole under the device tool's 600 s):
-#   table   jobs/bench_step_gpu.py: the Qwen3-30B-A3B-shaped preset (4 layers, seq 4096, the
-#           largest batch that fits), BF16 and every QAT recipe compiled, interleaved, MFU table
-#                                                        -> $OUT/table/bench_step_gpu.{md,json}
-#   levers  the same shape, BF16 with one lever changed at a time (plain loss, deterministic off,
-#           cuDNN attention, selective checkpointing)     -> $OUT/levers/bench_step_gpu.{md,json}
-#   gptoss  the gpt-oss-20b-shaped preset, BF16 and NVFP4+MXFP8 -> $OUT/gptoss/...
-#   ep1     the EP1 protocol in deterministic mode: bitwise resume after SIGKILL, and its cost
-#                                                        -> $OUT/ep1/
+#   table      jobs/bench_step_gpu.py: the Qwen3-30B-A3B-shaped preset (4 layers, seq 4096, the
+#              largest batch that fits), BF16 and every QAT recipe compiled, deterministic and
+#              not, interleaved, MFU table, a kernel profile  -> $OUT/table/bench_step_gpu.{md,json}
+#   selective  the same shape with selective activation checkpointing (the outputs of the GEMMs
+#              and attention kept)                           -> $OUT/selective/...
+#   gptoss     the gpt-oss-20b-shaped preset, BF16 and NVFP4+MXFP8 -> $OUT/gptoss/...
+#   ep1        the EP1 protocol in deterministic mode: bitwise resume after SIGKILL, and its cost
+#                                                             -> $OUT/ep1/
 # Usage (device tool, nothing to carry):
 #   bash jobs/gpu/step_speed.sh
-#   STAGES=levers ROUNDS=4 bash jobs/gpu/step_speed.sh
-#   DRY_RUN=cpu bash jobs/gpu/step_speed.sh     # every stage at CPU sizes
+#   STAGES=selective ROUNDS=4 PROFILE=1 bash jobs/gpu/step_speed.sh
+#   DRY_RUN=cpu bash jobs/gpu/step_speed.sh     # every stage at CPU sizes (the tiny presets)
 set -uo pipefail
 JOB_NAME=step_speed
 source "$(dirname "$0")/_env.sh"
 export WANDB_MODE=disabled
-STAGES=${STAGES:-table,levers,gptoss,ep1}
+STAGES=${STAGES:-table,selective,gptoss,ep1}
 ROUNDS=${ROUNDS:-3}
-SHAPE=(--batch 32,16 --rounds "$ROUNDS" --steps 2 --profile 0)
-T=170
-if [ "${DRY_RUN:-}" = cpu ]; then
-  SHAPE=(--cpu --batch 2 --seq 64 --layers 1 --rounds 2 --steps 1 --profile 0); T=900
+SHAPE=(--batch 32,16 --rounds "$ROUNDS" --steps 2 --profile "${PROFILE:-1}")
+T=${T:-240}; QWEN=qwen3_30b_a3b_like; GPTOSS=gpt_oss_20b_like
+if [ "${DRY_RUN:-}" = cpu ]; then  # the small presets: the real shapes' experts alone exceed a CPU box
+  SHAPE=(--cpu --batch 2 --seq 64 --layers 1 --rounds 2 --steps 1 --profile "${PROFILE:-1}")
+  T=900; QWEN=tiny; GPTOSS=tiny_gpt_oss
 fi
+DET=bf16@compile,mxfp4@compile,nvfp4@compile,mxfp4+mxfp8@compile,nvfp4+mxfp8@compile
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } 2>&1 \
   | tee "$OUT/env.txt"
@@ -36,18 +38,20 @@ bench() {  # NAME ARGS...: one bench_step_gpu run into $OUT/NAME, the table on s
     | tee "$OUT/$name/log.txt" | tail -20
 }
 if [[ $STAGES == *table* ]]; then
-  bench table "${SHAPE[@]}" --configs bf16@compile,mxfp4@compile,nvfp4@compile,mxfp4+mxfp8@compile,nvfp4+mxfp8@compile
+  bench table "${SHAPE[@]}" --preset "$QWEN" \
+    --configs "$DET,bf16@compile@no-det,nvfp4+mxfp8@compile@no-det"
 fi
-if [[ $STAGES == *levers* ]]; then
-  bench levers "${SHAPE[@]}" --configs bf16@compile,bf16@compile@plain-loss,bf16@compile@no-det,bf16@compile@cudnn
-  bench selective "${SHAPE[@]}" --act-ckpt selective --configs bf16@compile
+if [[ $STAGES == *selective* ]]; then
+  bench selective "${SHAPE[@]}" --preset "$QWEN" --act-ckpt selective \
+    --configs bf16@compile,nvfp4+mxfp8@compile,bf16@compile@no-det
 fi
 if [[ $STAGES == *gptoss* ]]; then
-  preset=gpt_oss_20b_like; [ "${DRY_RUN:-}" = cpu ] && preset=tiny_gpt_oss
-  bench gptoss "${SHAPE[@]}" --preset "$preset" --configs bf16@compile,nvfp4+mxfp8@compile
+  bench gptoss "${SHAPE[@]}" --preset "$GPTOSS" --configs bf16@compile,nvfp4+mxfp8@compile
 fi
 if [[ $STAGES == *ep1* ]]; then
   stamp "EP1 protocol (deterministic)"
-  STAGES=ep2 ${DRY_RUN:+DRY_RUN=$DRY_RUN} OUT="$OUT" bash jobs/gpu/qat_trainer.sh 2>&1 | tail -25
+  # the protocol fits its late phases into what is left of this job's ~585 s
+  STAGES=ep2 DRY_RUN="${DRY_RUN:-}" EP1_LEFT=$(( 585 - ($(date +%s) - START) )) OUT="$OUT" \
+    bash jobs/gpu/qat_trainer.sh 2>&1 | tail -25
 fi
 stamp "done; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

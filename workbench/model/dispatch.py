@@ -42,11 +42,33 @@ def _sort_assignments(experts_TK: torch.Tensor, num_experts: int
     return order_A, token_A, counts_E
 
 
-def _slots(order_A: torch.Tensor, k: int) -> torch.Tensor:
-    """slots_TK: the sorted positions of token t's K assignments, ascending (= expert order)."""
-    pos_A = torch.empty_like(order_A)
-    pos_A[order_A] = torch.arange(order_A.numel(), device=order_A.device)
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    """The inverse permutation: ``inverse[perm[i]] = i``."""
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inverse
+
+
+def _slots(pos_A: torch.Tensor, k: int) -> torch.Tensor:
+    """slots_TK: the sorted positions (``pos_A = _inverse(order_A)``) of token t's K assignments,
+    ascending (= expert order)."""
     return pos_A.view(-1, k).sort(dim=1).values
+
+
+class _Permute(torch.autograd.Function):
+    """``x[perm]`` for a permutation whose inverse is ``inverse``; the backward is the gather
+    ``g[inverse]``. Autograd's own index backward is an accumulating ``index_put_``, which
+    deterministic mode runs as a slow sort-based kernel, for a scatter with no duplicates."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inverse):
+        ctx.save_for_backward(inverse)
+        return x[perm]
+
+    @staticmethod
+    def backward(ctx, g):
+        (inverse,) = ctx.saved_tensors
+        return g[inverse], None, None
 
 
 def _sum_slots(y_AD: torch.Tensor, slots_TK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -97,8 +119,9 @@ def _gather_tokens(x_TD: torch.Tensor, token_A: torch.Tensor, slots_TK: torch.Te
 
 
 def _combine(x_TD: torch.Tensor, y_AD: torch.Tensor, weights_TK: torch.Tensor,
-             order_A: torch.Tensor, token_A: torch.Tensor, slots_TK: torch.Tensor) -> torch.Tensor:
-    y_AD = y_AD * weights_TK.reshape(-1)[order_A, None]
+             order_A: torch.Tensor, pos_A: torch.Tensor, token_A: torch.Tensor,
+             slots_TK: torch.Tensor) -> torch.Tensor:
+    y_AD = y_AD * _Permute.apply(weights_TK.reshape(-1), order_A, pos_A)[:, None]
     return _SumSlots.apply(y_AD, slots_TK, token_A, x_TD.dtype)
 
 
@@ -112,12 +135,13 @@ class LocalDispatcher:
                              f" process, the module holds {experts.num_experts}; use "
                              "AllToAllDispatcher for sharded experts")
         order_A, token_A, counts_E = _sort_assignments(experts_TK, experts.num_experts)
-        slots_TK = _slots(order_A, experts_TK.shape[1])
+        pos_A = _inverse(order_A)
+        slots_TK = _slots(pos_A, experts_TK.shape[1])
         offs_E = counts_E.cumsum(0).to(torch.int32)
         x_AD = _gather_tokens(x_TD, token_A, slots_TK)
         # every assignment is routed: the counts sum to the gathered rows
         y_AD = experts(x_AD, offs_E, end=x_AD.shape[0])
-        return _combine(x_TD, y_AD, weights_TK, order_A, token_A, slots_TK)
+        return _combine(x_TD, y_AD, weights_TK, order_A, pos_A, token_A, slots_TK)
 
     def __repr__(self) -> str:
         return "LocalDispatcher()"
@@ -148,7 +172,8 @@ class AllToAllDispatcher:
                              f"[{experts.expert_offset}, {experts.expert_offset + L}) of "
                              f"{experts.num_global_experts}")
         order_A, token_A, counts_E = _sort_assignments(experts_TK, experts.num_global_experts)
-        slots_TK = _slots(order_A, experts_TK.shape[1])
+        pos_A = _inverse(order_A)
+        slots_TK = _slots(pos_A, experts_TK.shape[1])
         send_RL = counts_E.view(R, L)
         recv_RL = torch.empty_like(send_RL)
         dist.all_to_all_single(recv_RL, send_RL, group=self.group)
@@ -159,14 +184,14 @@ class AllToAllDispatcher:
         local_expert = torch.arange(L, device=x_TD.device).repeat(R)
         local_expert = local_expert.repeat_interleave(recv_RL.reshape(-1))
         perm = torch.argsort(local_expert, stable=True)
-        inverse = torch.empty_like(perm)
-        inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+        inverse = _inverse(perm)
         offs_L = recv_RL.sum(0).cumsum(0).to(torch.int32)
         # the received counts sum to the received rows
-        y_recv = experts(x_recv[perm], offs_L, end=x_recv.shape[0])[inverse]
+        y_recv = experts(_Permute.apply(x_recv, perm, inverse), offs_L, end=x_recv.shape[0])
+        y_recv = _Permute.apply(y_recv, inverse, perm)
 
         y_AD = all_to_all(y_recv, in_splits, out_splits, self.group)
-        return _combine(x_TD, y_AD, weights_TK, order_A, token_A, slots_TK)
+        return _combine(x_TD, y_AD, weights_TK, order_A, pos_A, token_A, slots_TK)
 
     def __repr__(self) -> str:
         return f"AllToAllDispatcher(rank={self.rank}, size={self.size})"
