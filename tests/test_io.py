@@ -182,3 +182,53 @@ def test_publish_fsyncs_then_renames_within_the_folder(tmp_path, monkeypatch):
     other.write_bytes(b"")
     with pytest.raises(ValueError, match="within one folder"):
         _io.publish(other, tmp_path / "x")
+
+
+# --- read_json: the reading side ------------------------------------------------------------
+
+def test_read_json_reads_a_document(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text('{"a": [1, 2.5, "\\u00e9"]}')
+    assert _io.read_json(p) == {"a": [1, 2.5, "é"]}
+
+
+def test_read_json_refuses_a_file_over_its_cap_reading_no_more_than_the_cap(tmp_path,
+                                                                             monkeypatch):
+    p = tmp_path / "big.json"
+    p.write_text("[" + "0," * 600 + "0]")
+    reads = []
+    real_read = os.read
+    monkeypatch.setattr(_io.os, "read", lambda fd, n: reads.append(n) or real_read(fd, n))
+    with pytest.raises(_io.JSONFileError, match=r"big\.json: the marker is larger than 1000 bytes"):
+        _io.read_json(p, cap=1000, what="the marker")
+    assert sum(reads) <= 1001  # the cap plus the one byte that tells
+
+
+@pytest.mark.timeout(20)
+def test_read_json_does_not_block_on_a_fifo(tmp_path):
+    fifo = tmp_path / "result.json"
+    os.mkfifo(fifo)
+    with pytest.raises(_io.JSONFileError, match="result.json: JSON file is not a regular file"):
+        _io.read_json(fifo)  # a plain open() would wait for a writer forever
+
+
+@pytest.mark.parametrize(("raw", "reason"), [
+    (b"\xff\xfe{}", "is not UTF-8 text"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"a": 1', "is not valid JSON"),
+    (b"1" * 5000, "is not valid JSON"),  # int() refuses over 4300 digits
+])
+def test_read_json_failures_are_one_line_naming_the_file(tmp_path, raw, reason):
+    p = tmp_path / "config.json"
+    p.write_bytes(raw)
+    with pytest.raises(_io.JSONFileError) as e:
+        _io.read_json(p, what="config.json")
+    assert str(e.value).startswith(f"{p}: config.json ") and reason in str(e.value)
+    assert "\n" not in str(e.value) and e.value.path == p
+
+
+def test_read_json_of_a_missing_file_or_a_folder(tmp_path):
+    with pytest.raises(_io.JSONFileError, match="cannot read"):
+        _io.read_json(tmp_path / "nope.json")
+    with pytest.raises(_io.JSONFileError, match="not a regular file"):
+        _io.read_json(tmp_path)

@@ -15,6 +15,9 @@ node loses power. The recipe, in this order:
 If the write fails before the rename, the temporary file is removed and the old file is intact.
 A write that fails because its file system (or the user's quota) is full raises `NoSpaceError`,
 an `OSError` whose message is one line: "no space left on DEVICE while writing PATH".
+`read_json` is the reading side for the JSON files of run folders and results: capped, never
+blocking, every failure one `JSONFileError` line naming the file. (A checkpoint folder's files go
+through `workbench.checkpoint.safe_io`, which also keeps every read inside the folder.)
 This module sits below every package (the `_io` layer, docs/architecture.md) and imports only
 the standard library, so `workbench.launch` stays torch-free.
 """
@@ -24,15 +27,16 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["NoSpaceError", "atomic_open", "atomic_write_bytes", "atomic_write_json",
+__all__ = ["JSON_CAP", "JSONFileError", "NoSpaceError", "atomic_open", "atomic_write_bytes", "atomic_write_json",
            "atomic_write_text", "device_of", "fsync_path", "is_no_space", "new_file_mode",
-           "no_space", "publish", "writing"]
+           "no_space", "publish", "read_json", "writing"]
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -227,3 +231,49 @@ def publish(tmp: str | Path, path: str | Path) -> Path:
     os.replace(tmp, path)
     fsync_path(path.parent)
     return path
+
+
+# config.json, result.json, a COMPLETE marker: a few KiB; the cap only has to stop a hostile file
+JSON_CAP = 16 << 20
+
+
+class JSONFileError(ValueError):
+    """A JSON file that cannot be used: unreadable, not a regular file, over its size cap, not
+    UTF-8, not JSON, or nested too deeply. `str()` is one line: "PATH: REASON"."""
+
+    def __init__(self, path: str | Path, reason: str):
+        self.path, self.reason = Path(path), reason
+        super().__init__(f"{path}: {reason}")
+
+
+def read_json(path: str | Path, *, cap: int = JSON_CAP, what: str = "JSON file") -> Any:
+    """The JSON document in `path`. The file is opened non-blocking and must be a regular file
+    (a FIFO would block a plain open, /dev/zero never ends), is read to at most `cap` bytes, and
+    every failure is a `JSONFileError`; `what` names the file in its message."""
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise JSONFileError(p, f"cannot read {what} ({e.strerror or e})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise JSONFileError(p, f"{what} is not a regular file")
+        chunks, left = [], cap + 1  # one byte over the cap tells a file over it
+        while left > 0 and (b := os.read(fd, min(left, 1 << 20))):
+            chunks.append(b)
+            left -= len(b)
+    except OSError as e:
+        raise JSONFileError(p, f"cannot read {what} ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    raw = b"".join(chunks)
+    if len(raw) > cap:
+        raise JSONFileError(p, f"{what} is larger than {cap} bytes")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise JSONFileError(p, f"{what} is not UTF-8 text") from None
+    except RecursionError:
+        raise JSONFileError(p, f"{what} is not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # JSONDecodeError, int() of a number over 4300 digits
+        raise JSONFileError(p, f"{what} is not valid JSON ({str(e)[:200]})") from None

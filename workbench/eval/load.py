@@ -19,7 +19,6 @@ masters and runs under the trainer's autocast (BF16 on CUDA, none on CPU).
 from __future__ import annotations
 
 import dataclasses
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from workbench._io import JSONFileError, read_json
 from workbench.arch import ModelConfigError
 from workbench.checkpoint import CheckpointError
 from workbench.checkpoint.dcp_metadata import SafeFileSystemReader
@@ -78,7 +78,10 @@ def transformers_model(path: Path, device: torch.device, dtype: torch.dtype) -> 
         from transformers import AutoModelForCausalLM
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("workbench eval needs transformers: pip install 'workbench[eval]'") from e
-    cfg = json.loads((path / "config.json").read_bytes())
+    try:
+        cfg = read_json(path / "config.json", what="config.json")
+    except JSONFileError as e:
+        raise EvalError(str(e)) from None
     kwargs: dict[str, Any] = {}
     q = cfg.get("quantization_config")
     if isinstance(q, dict) and q.get("quant_method") == "mxfp4":
@@ -143,7 +146,11 @@ def _load_dcp(ref: ModelRef, device: torch.device) -> tuple[nn.Module, TrainConf
         model = build_model(cfg, info, overwritten=True)
     except (ModelConfigError, ValueError) as e:
         raise EvalError(f"{ref.run}: cannot build the run's model ({e})") from None
-    found = Found(ref.step, ref.path, json.loads((ref.path / "COMPLETE").read_bytes()))
+    try:
+        marker = read_json(ref.path / "COMPLETE", what="the checkpoint's COMPLETE marker")
+    except JSONFileError as e:
+        raise EvalError(str(e)) from None
+    found = Found(ref.step, ref.path, marker)
     sd = {f"model/{n}": p.data for n, p in model.named_parameters()}
     try:
         verify(found, info)
@@ -164,8 +171,8 @@ def _run_tokenizer(ref: ModelRef, cfg: TrainConfig | None) -> str | None:
     data = ref.run / DATA_JSON if ref.run is not None else None
     if data is not None and data.is_file():
         try:
-            tok = json.loads(data.read_bytes()).get("tokenizer")
-        except (OSError, ValueError):
+            tok = read_json(data, what=DATA_JSON).get("tokenizer")
+        except (JSONFileError, AttributeError):  # unreadable, or not an object
             tok = None
         if isinstance(tok, str) and Path(tok).is_dir():
             return tok

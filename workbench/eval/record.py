@@ -28,10 +28,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from workbench._io import atomic_write_json, atomic_write_text
+from workbench._io import JSONFileError, atomic_write_json, atomic_write_text, read_json
 from workbench.eval.refs import ModelRef
 from workbench.track.evals import (
     EVAL_JSON,
+    MAX_EVAL_JSON_BYTES,
     column,
     metric_label,
     pair,
@@ -92,8 +93,8 @@ def run_columns(ev: dict[str, Any], label: str) -> dict[str, float]:
 
 def _run_settings(run: Path) -> dict[str, Any]:
     try:
-        conf = json.loads((run / "config.json").read_bytes())
-    except (OSError, ValueError):
+        conf = read_json(run / "config.json")
+    except JSONFileError:
         conf = {}
     return conf if isinstance(conf, dict) else {}
 
@@ -168,8 +169,8 @@ def cache_get(folder: Path, key: str) -> dict[str, Any] | None:
     if not p.is_file():
         return None
     try:
-        row = json.loads(p.read_bytes())
-    except (OSError, ValueError):
+        row = read_json(p, cap=MAX_EVAL_JSON_BYTES)
+    except JSONFileError:
         return None  # a damaged entry is recomputed and replaced
     return row if isinstance(row, dict) and "entry" in row else None
 

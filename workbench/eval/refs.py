@@ -18,12 +18,12 @@ and for a packed checkpoint, ``bf16`` for a BF16 checkpoint or a BF16 run.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from workbench._io import JSONFileError, read_json
 from workbench.eval.errors import EvalError
 from workbench.recipe import RecipeError, parse_qat_recipe
 from workbench.train.checkpointing import COMPLETE, list_complete
@@ -71,13 +71,9 @@ class ModelRef:
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
     try:
-        if path.stat().st_size > MAX_JSON_BYTES:
-            raise EvalError(f"{path}: {what} is larger than {MAX_JSON_BYTES} bytes")
-        obj = json.loads(path.read_bytes())
-    except OSError as e:
-        raise EvalError(f"{path}: cannot read {what} ({e.strerror or e})") from None
-    except (ValueError, RecursionError) as e:
-        raise EvalError(f"{path}: {what} is not valid JSON ({e})") from None
+        obj = read_json(path, cap=MAX_JSON_BYTES, what=what)
+    except JSONFileError as e:
+        raise EvalError(str(e)) from None
     if not isinstance(obj, dict):
         raise EvalError(f"{path}: {what} is not a JSON object")
     return obj

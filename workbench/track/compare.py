@@ -9,7 +9,6 @@ initialisation are the same.
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from typing import Any, Literal
 
 import pandas as pd
 
+from workbench._io import read_json
 from workbench.track.budget_chart import RUN_READABLE
 from workbench.track.budgets import COLUMNS, Budget, check, default_budgets
 from workbench.track.metrics import METRICS_FILE, as_metrics, read_metrics
@@ -64,10 +64,7 @@ class Comparison:
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
-    try:
-        obj = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc.msg})") from exc
+    obj = read_json(path, what=path.name)  # JSONFileError: a ValueError naming the file
     return obj if isinstance(obj, dict) else {}
 
 

@@ -22,7 +22,6 @@ without importing lm-eval or torch:
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+
+from workbench._io import JSONFileError, read_json
 
 EVAL_JSON = "eval.json"
 FORMAT = "workbench.eval/1"
@@ -85,13 +86,9 @@ def read_eval(path: str | Path) -> dict[str, Any]:
     if p.is_dir():
         p = p / EVAL_JSON
     try:
-        if p.stat().st_size > MAX_EVAL_JSON_BYTES:
-            raise EvalFileError(f"{p}: larger than {MAX_EVAL_JSON_BYTES} bytes")
-        ev = json.loads(p.read_bytes())
-    except OSError as e:
-        raise EvalFileError(f"{p}: cannot read ({e.strerror or e})") from None
-    except (ValueError, RecursionError) as e:
-        raise EvalFileError(f"{p}: not valid JSON ({e})") from None
+        ev = read_json(p, cap=MAX_EVAL_JSON_BYTES, what="the eval result")
+    except JSONFileError as e:
+        raise EvalFileError(str(e)) from None
     if not isinstance(ev, dict) or ev.get("format") != FORMAT:
         raise EvalFileError(f"{p}: not a workbench eval result (format {FORMAT!r} expected)")
     models = ev.get("models")
