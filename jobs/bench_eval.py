@@ -32,8 +32,9 @@ import torch
 
 from workbench._io import atomic_write_json, atomic_write_text
 from workbench.arch import preset
-from workbench.eval import read_eval, run
+from workbench.eval import run
 from workbench.model import MoEForCausalLM
+from workbench.track import read_eval
 from workbench.train.data import load_corpus
 from workbench.train.export import export_model
 from workbench.train.tokenizer import copy_tokenizer, train_bpe

@@ -7,7 +7,8 @@
 
 Command line: ``workbench eval MODEL... --tasks T1,T2 [--limit N] --out DIR``. What a MODEL may
 be (checkpoint folder, ``ptq:RECIPE@PATH``, run folder, DCP checkpoint): `workbench.eval.refs`;
-how it is loaded: `workbench.eval.load`; results and recovery: `workbench.track.evals`;
+how it is loaded: `workbench.eval.load`; reading results and recovery (`read_eval`,
+`group_eval`, `recovery`, ...): `workbench.track`, beside the runs' other records;
 docs/eval.md has the definitions. lm-eval (extra ``eval``) is imported here and nowhere else.
 """
 
@@ -19,16 +20,6 @@ from workbench.eval.refs import ModelRef, parse_model, parse_models
 from workbench.eval.runner import EvalResult, format_report, run
 from workbench.eval.ship import DEFAULT_TOLERANCE, ShipCheck, compare_samples, ship_check
 from workbench.eval.taskset import SHIPPED, TASKS_DIR, TaskSet, resolve_tasks
-from workbench.track.evals import (
-    GroupEval,
-    group_eval,
-    read_eval,
-    recovery,
-    recovery_table,
-    results_table,
-    retention,
-    wide_table,
-)
 
 __all__ = [
     "DEFAULT_TOLERANCE",
@@ -38,7 +29,6 @@ __all__ = [
     "EvalError",
     "EvalRequest",
     "EvalResult",
-    "GroupEval",
     "HarnessOptions",
     "Loaded",
     "ModelRef",
@@ -47,17 +37,10 @@ __all__ = [
     "chain_eval",
     "compare_samples",
     "format_report",
-    "group_eval",
     "load",
     "parse_model",
     "parse_models",
-    "read_eval",
-    "recovery",
-    "recovery_table",
     "resolve_tasks",
-    "results_table",
-    "retention",
     "run",
     "ship_check",
-    "wide_table",
 ]

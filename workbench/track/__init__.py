@@ -33,7 +33,17 @@ from workbench.track.compare import (
     load_runs,
     runs_table,
 )
-from workbench.track.evals import EvalFileError, GroupEval, group_eval, read_eval, wide_table
+from workbench.track.evals import (
+    EvalFileError,
+    GroupEval,
+    group_eval,
+    read_eval,
+    recovery,
+    recovery_table,
+    results_table,
+    retention,
+    wide_table,
+)
 from workbench.track.experts import expert_error_summary, final_expert_errors
 from workbench.track.metrics import BadMetricsFile, MetricsLineSkipped, as_metrics, read_metrics
 from workbench.track.offline import OfflineRun, find_runs, merge_segments, read_run
@@ -93,6 +103,10 @@ __all__ = [
     "read_eval",
     "read_metrics",
     "read_run",
+    "recovery",
+    "recovery_table",
+    "results_table",
+    "retention",
     "runs_table",
     "wide_table",
 ]
