@@ -39,7 +39,7 @@ def _cmd(bench: str, gpu: bool, scratch: Path) -> list[str]:
         return ["jobs/bench_qat_moe.py", "--iters", "20" if gpu else "5", *(["--k3"] if gpu else [])]
     if bench == "trainer":
         return ["jobs/bench_train.py", "--steps", "12", "--ep", "1",
-                *(["--preset", "small", "--batch", "8", "--seq", "512"] if gpu else [])]
+                *(["--preset", "small", "--batch", "8", "--seq", "256"] if gpu else [])]
     return ["jobs/bench_analysis.py", "--dir", str(scratch / "analysis"),
             "--size-gb", "1" if gpu else "0.1", "--device", "cuda" if gpu else "cpu"]
 

@@ -188,28 +188,7 @@ def main(argv=None) -> int:
     enable_determinism(True)
     # one compiled graph per (recipe, lever) variant of the same layer code: keep them all
     torch._dynamo.config.cache_size_limit = 64
-    built = cfg = None
-    for batch in batches:  # the largest global batch whose step fits
-        try:
-            cfg = config(batch)
-            torch.manual_seed(0)
-            built = build(cfg, info)
-            train_step(built.model, built.opt, built.sched, tokens, cfg, info, 1)
-            break
-        except torch.OutOfMemoryError:
-            built = None
-            gc.collect()
-            torch.cuda.empty_cache()
-            print(f"[bench_step_gpu] batch {batch} x {args.seq} does not fit; trying smaller",
-                  flush=True)
-    if built is None:
-        print("[bench_step_gpu] no batch fits", flush=True)
-        return 1
-    meta["batch"] = cfg.batch
-    meta["tokens_per_step"] = cfg.batch * cfg.seq
-    model, opt, sched = built.model, built.opt, built.sched
-    flops = flops_per_token(model, cfg.seq)
-
+    held: dict = {}
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
@@ -217,6 +196,7 @@ def main(argv=None) -> int:
 
     def enter(recipe: str, levers: tuple[str, ...]):
         torch.use_deterministic_algorithms("no-det" not in levers)
+        model = held["model"]
         if recipe != "bf16":
             prepare(model, recipe, QAT_SCOPE)
         if "compile" in levers:
@@ -230,12 +210,54 @@ def main(argv=None) -> int:
     def leave(recipe: str, levers: tuple[str, ...]):
         while pinned:
             pinned.pop().__exit__(None, None, None)
+        model = held["model"]
         if recipe != "bf16":
             unprepare(model)
         if "compile" in levers:
             for layer in model.model.layers:
                 layer._compiled_call_impl = None  # back to eager (nn.Module.compile's slot)
         torch.use_deterministic_algorithms(True)
+
+    def fits(built, cfg) -> bool:
+        """One step of every configuration at this batch: compiled and QAT steps need more
+        memory than the eager BF16 one, so each is tried before the batch is taken."""
+        held["model"] = built.model
+        for step, key in enumerate(plan_keys, start=1):
+            try:
+                enter(*key)
+                train_step(built.model, built.opt, built.sched, tokens, config(cfg.batch, key[0]),
+                           info, step, logits="plain-loss" in key[1])
+            except torch.OutOfMemoryError:
+                if key == plan_keys[0] or "plain-loss" not in key[1]:
+                    return False
+                # the [B, S, V] logits are a lever that may not fit: its row says so
+            finally:
+                built.opt.zero_grad(set_to_none=True)
+                leave(*key)
+        return True
+
+    built = cfg = None
+    for batch in batches:  # the largest global batch whose step fits, in every configuration
+        try:
+            cfg = config(batch)
+            torch.manual_seed(0)
+            built = build(cfg, info)
+            if fits(built, cfg):
+                break
+        except torch.OutOfMemoryError:
+            pass
+        built = held["model"] = None
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(f"[bench_step_gpu] batch {batch} x {args.seq} does not fit; trying smaller",
+              flush=True)
+    if built is None:
+        print("[bench_step_gpu] no batch fits", flush=True)
+        return 1
+    meta["batch"] = cfg.batch
+    meta["tokens_per_step"] = cfg.batch * cfg.seq
+    model, opt, sched = built.model, built.opt, built.sched
+    flops = flops_per_token(model, cfg.seq)
 
     step_no = [1]
 

@@ -19,7 +19,7 @@ source "$(dirname "$0")/_env.sh"
 export WANDB_MODE=disabled
 STAGES=${STAGES:-table,selective,gptoss,ep1}
 ROUNDS=${ROUNDS:-3}
-SHAPE=(--batch 32,16 --rounds "$ROUNDS" --steps 2 --profile "${PROFILE:-1}")
+SHAPE=(--batch 32,16,8 --rounds "$ROUNDS" --steps 2 --profile "${PROFILE:-1}")
 T=${T:-240}; QWEN=qwen3_30b_a3b_like; GPTOSS=gpt_oss_20b_like
 if [ "${DRY_RUN:-}" = cpu ]; then  # the small presets: the real shapes' experts alone exceed a CPU box
   SHAPE=(--cpu --batch 2 --seq 64 --layers 1 --rounds 2 --steps 1 --profile "${PROFILE:-1}")

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from workbench.model.collectives import all_to_all
 from workbench.model.experts import GroupedExperts
+from workbench.model.index_ops import inverse, permute, sorted_counts
 
 
 def _sort_assignments(experts_TK: torch.Tensor, num_experts: int
@@ -35,40 +36,14 @@ def _sort_assignments(experts_TK: torch.Tensor, num_experts: int
     flat_A = experts_TK.reshape(-1)
     order_A = torch.argsort(flat_A, stable=True)
     token_A = order_A // experts_TK.shape[1]
-    # scatter_add into a fixed-size buffer instead of bincount: same counts, but a static output
-    # shape, so torch.compile does not break the graph here.
-    counts_E = torch.zeros(num_experts, dtype=torch.long, device=flat_A.device)
-    counts_E = counts_E.scatter_add(0, flat_A, torch.ones_like(flat_A))
-    return order_A, token_A, counts_E
-
-
-def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    """The inverse permutation: ``inverse[perm[i]] = i``."""
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-    return inverse
+    # not bincount: a static output shape, so torch.compile does not break the graph here
+    return order_A, token_A, sorted_counts(flat_A[order_A], num_experts)
 
 
 def _slots(pos_A: torch.Tensor, k: int) -> torch.Tensor:
-    """slots_TK: the sorted positions (``pos_A = _inverse(order_A)``) of token t's K assignments,
+    """slots_TK: the sorted positions (``pos_A = inverse(order_A)``) of token t's K assignments,
     ascending (= expert order)."""
     return pos_A.view(-1, k).sort(dim=1).values
-
-
-class _Permute(torch.autograd.Function):
-    """``x[perm]`` for a permutation whose inverse is ``inverse``; the backward is the gather
-    ``g[inverse]``. Autograd's own index backward is an accumulating ``index_put_``, which
-    deterministic mode runs as a slow sort-based kernel, for a scatter with no duplicates."""
-
-    @staticmethod
-    def forward(ctx, x, perm, inverse):
-        ctx.save_for_backward(inverse)
-        return x[perm]
-
-    @staticmethod
-    def backward(ctx, g):
-        (inverse,) = ctx.saved_tensors
-        return g[inverse], None, None
 
 
 def _sum_slots(y_AD: torch.Tensor, slots_TK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -121,7 +96,7 @@ def _gather_tokens(x_TD: torch.Tensor, token_A: torch.Tensor, slots_TK: torch.Te
 def _combine(x_TD: torch.Tensor, y_AD: torch.Tensor, weights_TK: torch.Tensor,
              order_A: torch.Tensor, pos_A: torch.Tensor, token_A: torch.Tensor,
              slots_TK: torch.Tensor) -> torch.Tensor:
-    y_AD = y_AD * _Permute.apply(weights_TK.reshape(-1), order_A, pos_A)[:, None]
+    y_AD = y_AD * permute(weights_TK.reshape(-1), order_A, pos_A)[:, None]
     return _SumSlots.apply(y_AD, slots_TK, token_A, x_TD.dtype)
 
 
@@ -135,7 +110,7 @@ class LocalDispatcher:
                              f" process, the module holds {experts.num_experts}; use "
                              "AllToAllDispatcher for sharded experts")
         order_A, token_A, counts_E = _sort_assignments(experts_TK, experts.num_experts)
-        pos_A = _inverse(order_A)
+        pos_A = inverse(order_A)
         slots_TK = _slots(pos_A, experts_TK.shape[1])
         offs_E = counts_E.cumsum(0).to(torch.int32)
         x_AD = _gather_tokens(x_TD, token_A, slots_TK)
@@ -172,7 +147,7 @@ class AllToAllDispatcher:
                              f"[{experts.expert_offset}, {experts.expert_offset + L}) of "
                              f"{experts.num_global_experts}")
         order_A, token_A, counts_E = _sort_assignments(experts_TK, experts.num_global_experts)
-        pos_A = _inverse(order_A)
+        pos_A = inverse(order_A)
         slots_TK = _slots(pos_A, experts_TK.shape[1])
         send_RL = counts_E.view(R, L)
         recv_RL = torch.empty_like(send_RL)
@@ -184,11 +159,11 @@ class AllToAllDispatcher:
         local_expert = torch.arange(L, device=x_TD.device).repeat(R)
         local_expert = local_expert.repeat_interleave(recv_RL.reshape(-1))
         perm = torch.argsort(local_expert, stable=True)
-        inverse = _inverse(perm)
+        inv = inverse(perm)
         offs_L = recv_RL.sum(0).cumsum(0).to(torch.int32)
         # the received counts sum to the received rows
-        y_recv = experts(_Permute.apply(x_recv, perm, inverse), offs_L, end=x_recv.shape[0])
-        y_recv = _Permute.apply(y_recv, inverse, perm)
+        y_recv = experts(permute(x_recv, perm, inv), offs_L, end=x_recv.shape[0])
+        y_recv = permute(y_recv, inv, perm)
 
         y_AD = all_to_all(y_recv, in_splits, out_splits, self.group)
         return _combine(x_TD, y_AD, weights_TK, order_A, pos_A, token_A, slots_TK)

@@ -20,6 +20,7 @@ from torch import nn
 from workbench.arch import MoEConfig
 from workbench.model.cast import autocast_operand
 from workbench.model.collectives import all_reduce_sum
+from workbench.model.index_ops import counts, mark, pick
 
 
 class TopKRouter(nn.Module):
@@ -37,7 +38,8 @@ class TopKRouter(nn.Module):
         """Returns (logits_TE, weights_TK in x's dtype, experts_TK int64)."""
         logits_TE = F.linear(x_TD, autocast_operand(self.weight))
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float)
-        top_TK, idx_TK = torch.topk(probs_TE, self.top_k, dim=-1)
+        idx_TK = torch.topk(probs_TE.detach(), self.top_k, dim=-1).indices
+        top_TK = pick(probs_TE, idx_TK)  # topk's values, whose backward would be a scatter
         if self.norm_topk_prob:
             top_TK = top_TK / top_TK.sum(dim=-1, keepdim=True)
         return logits_TE, top_TK.to(logits_TE.dtype), idx_TK
@@ -53,8 +55,8 @@ class TopKSoftmaxRouter(TopKRouter):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits_TE = F.linear(x_TD, autocast_operand(self.weight), autocast_operand(self.bias))
-        top_TK, idx_TK = torch.topk(logits_TE, self.top_k, dim=-1)
-        weights_TK = torch.softmax(top_TK, dim=-1, dtype=torch.float)
+        idx_TK = torch.topk(logits_TE.detach(), self.top_k, dim=-1).indices
+        weights_TK = torch.softmax(pick(logits_TE, idx_TK), dim=-1, dtype=torch.float)
         return logits_TE, weights_TK.to(logits_TE.dtype), idx_TK
 
 
@@ -81,7 +83,7 @@ class SigmoidRouter(TopKRouter):
         with torch.autocast(x_TD.device.type, enabled=False):
             logits_TE = F.linear(x_TD.float(), self.weight.float())
         scores_TE, idx_TK = self.select(logits_TE, self.e_score_correction_bias)
-        weights_TK = scores_TE.gather(1, idx_TK)
+        weights_TK = pick(scores_TE, idx_TK)
         if self.norm_topk_prob:
             weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
         return logits_TE, weights_TK * self.routed_scaling_factor, idx_TK
@@ -95,10 +97,9 @@ class SigmoidRouter(TopKRouter):
         E, N = choice_TE.shape[-1], self.n_group
         if N > 1:
             group_TN = choice_TE.view(-1, N, E // N).topk(2, dim=-1)[0].sum(dim=-1)
-            keep_TN = torch.zeros_like(group_TN).scatter_(
-                1, torch.topk(group_TN, k=self.topk_group, dim=-1, sorted=False)[1], 1)
+            keep_TN = mark(torch.topk(group_TN, k=self.topk_group, dim=-1, sorted=False)[1], N)
             keep_TE = keep_TN.unsqueeze(-1).expand(-1, N, E // N).reshape(-1, E)
-            choice_TE = choice_TE.masked_fill(~keep_TE.bool(), float("-inf"))
+            choice_TE = choice_TE.masked_fill(~keep_TE, float("-inf"))
         return scores_TE, torch.topk(choice_TE, k=self.top_k, dim=-1, sorted=False)[1]
 
     @torch.no_grad()
@@ -106,9 +107,7 @@ class SigmoidRouter(TopKRouter):
         """int64 [E]: how many of these tokens (their router logits, from the forward) each
         expert received."""
         _, idx_TK = self.select(logits_TE, _full(self.e_score_correction_bias))
-        flat = idx_TK.reshape(-1)
-        return torch.zeros(logits_TE.shape[-1], dtype=torch.int64, device=flat.device
-                           ).scatter_add_(0, flat, torch.ones_like(flat))
+        return counts(idx_TK, logits_TE.shape[-1])
 
     @torch.no_grad()
     def update_correction_bias_(self, load_E: torch.Tensor, rate: float) -> None:
@@ -169,8 +168,7 @@ def load_balancing_loss(logits: Sequence[torch.Tensor], num_experts: int, top_k:
     for logits_TE in logits:
         probs_TE = torch.softmax(logits_TE.float(), dim=-1)
         _, idx_TK = torch.topk(probs_TE, top_k, dim=-1)
-        flat = idx_TK.reshape(-1)  # scatter_add, not bincount: static shape for torch.compile
-        counts_E = counts_E.scatter_add(0, flat, torch.ones(flat.shape, device=flat.device))
+        counts_E = counts_E + counts(idx_TK, num_experts)  # exact: integers below 2^24
         probs_E = probs_E + probs_TE.sum(dim=0)
         rows += logits_TE.shape[0]
     rows_t = torch.tensor(float(rows), device=counts_E.device)
