@@ -34,9 +34,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["JSON_CAP", "JSONFileError", "NoSpaceError", "atomic_open", "atomic_write_bytes", "atomic_write_json",
-           "atomic_write_text", "device_of", "fsync_path", "is_no_space", "new_file_mode",
-           "no_space", "publish", "read_json", "writing"]
+__all__ = ["JSON_CAP", "JSONFileError", "NoSpaceError", "atomic_open", "atomic_write_bytes",
+           "atomic_write_json", "atomic_write_text", "device_of", "fsync_path", "is_no_space",
+           "new_file_mode", "no_space", "publish", "read_json", "writing"]
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 

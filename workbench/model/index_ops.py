@@ -2,11 +2,11 @@
 
 PyTorch's deterministic mode runs every CUDA scatter, scatter-add and `index_put_` as a sort
 followed by a kernel that adds (or writes) each index's duplicates one after another: exact and
-repeatable, but serial over duplicates, and the slowest kernel of the deterministic step after
-attention (docs/performance.md). The model's index ops have structure those general kernels
-cannot use: a permutation has no duplicates, a top-k row names each expert once, a count is an
-integer. The ops here use it and give the same bits: an integer count is exact in any order,
-and every gradient element they write is one value written once.
+repeatable, but serial over duplicates (docs/performance.md says what that cost). The model's
+index ops have structure those general kernels cannot use: a permutation has no duplicates, a
+top-k row names each expert once, a count is an integer. The ops here use it and give the same
+bits, up to the sign of a zero gradient: an integer count is exact in any order, and every
+gradient element they write is one value written once.
 
 Legend: T rows (tokens), E columns (experts), K picks per row.
 """
