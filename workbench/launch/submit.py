@@ -32,6 +32,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import workbench
 from workbench.train import runfolder
 from workbench.train.determinism import LAUNCH_ENV as DETERMINISTIC_ENV
 from workbench.train.runfolder import process_token
@@ -59,8 +60,6 @@ def _submitit():
 def _job_env(spec: LaunchSpec) -> dict[str, str]:
     """Environment for the tasks: PYTHONPATH (this checkout first, so the job imports the same
     workbench as the submitter, plus resources.pythonpath) and the resources' variables."""
-    import workbench
-
     res = spec.resources
     root = str(Path(workbench.__file__).resolve().parents[1])
     paths = list(dict.fromkeys([*res.pythonpath, root]))
@@ -129,7 +128,7 @@ def make_executor(spec: LaunchSpec, submitit_folder: Path):
 
 
 def _job_callable(spec: LaunchSpec, files: dict[str, str]):
-    from .job import DistributedJob
+    from .job import DistributedJob  # imports submitit (the `launch` extra): only when submitting
 
     res = spec.resources
     return DistributedJob(target=spec.target, argv=tuple(spec.job_argv()),

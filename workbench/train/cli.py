@@ -35,6 +35,7 @@ from workbench.train.args import PROG, TrainArgsError, config_from_args
 from workbench.train.checkpointing import CheckpointError
 from workbench.train.config import TrainConfig, TrainConfigError
 from workbench.train.datasets import DataError
+from workbench.train.determinism import enable as enable_determinism
 from workbench.train.distributed import (
     PeerFailed,
     RankTimeout,
@@ -42,13 +43,15 @@ from workbench.train.distributed import (
     failure_line,
     is_collective_failure,
     on_main,
+    setup,
+    teardown,
 )
 from workbench.train.export import ExportError
 from workbench.train.export_folder import ExportFolderError
 from workbench.train.init import InitError
 from workbench.train.init_source import pin_init
 from workbench.train.logger import make_logger
-from workbench.train.loop import NonFiniteStep
+from workbench.train.loop import NonFiniteStep, clear_stop, request_stop, train
 from workbench.train.resume_config import ResumeConfigError
 from workbench.train.runfolder import RunFolderError
 from workbench.train.startup import open_run
@@ -77,8 +80,6 @@ def _install_signal_handlers() -> dict:
     at their default are taken (a launcher's own handler wins); returns what to restore."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    from workbench.train.loop import request_stop
-
     previous = {}
     for sig in (signal.SIGTERM, signal.SIGUSR2):
         if signal.getsignal(sig) in (signal.SIG_DFL, None):
@@ -145,13 +146,9 @@ def run(cfg: TrainConfig) -> dict:
     A failure the user can fix (USER_ERRORS, a collective a rank stopped answering in) is raised
     on every rank with `report_line` set: the one line this rank prints, or None when another
     rank of the run prints it."""
-    from workbench.train import distributed
-    from workbench.train.determinism import enable as enable_determinism
-    from workbench.train.loop import clear_stop, train
-
     cfg, init_source = pin_init(cfg)
     enable_determinism(cfg.deterministic)  # before CUDA / cuBLAS start (set_device, first matmul)
-    info = distributed.setup(single_rank_group=cfg.fsdp, timeout_min=cfg.dist_timeout)
+    info = setup(single_rank_group=cfg.fsdp, timeout_min=cfg.dist_timeout)
     opened = None
     failed = False
     try:
@@ -202,7 +199,7 @@ def run(cfg: TrainConfig) -> dict:
     finally:
         if opened is not None:
             opened.release()
-        distributed.teardown(info, failed=failed)
+        teardown(info, failed=failed)
 
 
 def _rank_from_env() -> int:

@@ -42,7 +42,7 @@ import numpy as np
 
 from workbench._io import writing
 from workbench.train import jsonl_stream, token_cache
-from workbench.train.data import PackedSplit
+from workbench.train.data import PackedSplit, load_corpus
 from workbench.train.distributed import DistInfo, on_main
 from workbench.train.token_cache import DTYPE, CacheError, TokenFile
 from workbench.train.tokenizer import Tokenizer, TokenizerError, check_fits, load_tokenizer
@@ -507,8 +507,6 @@ def _check_same_data(out: Path, new: dict) -> None:
 def load_train_data(cfg, info: DistInfo, vocab_rows: int) -> TrainData:
     """Collective. No --data: the shipped byte corpus. Else rank 0 tokenizes (once, cached),
     the others wait and open the same files; a failure on rank 0 fails every rank."""
-    from workbench.train.data import load_corpus
-
     if not cfg.data:
         corpus = load_corpus()
         return TrainData(corpus.train, corpus.val, {})
