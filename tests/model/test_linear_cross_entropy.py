@@ -117,3 +117,21 @@ def test_compiled_chunk_equals_the_plain_function_on_the_gpu():
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad.float(), ref_g.float(), rtol=1.6e-2, atol=1e-8)
     assert torch.count_nonzero(grad[~ok]) == 0
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.inductor_cpp),
+    pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compiled_accumulate_is_the_eager_add_bit_for_bit(device):
+    # the weight's gradient gathers a bf16 partial per chunk into fp32: compiled, the widening
+    # runs inside the add; each element is still the exact widening plus one fp32 rounding
+    from workbench.model.loss import _accumulate_compiled
+
+    g = torch.Generator(device=device).manual_seed(1)
+    acc = torch.randn(5003, 96, generator=g, device=device) * 1e3
+    ref = acc.clone()
+    for scale in (1e-3, 1.0, 1e4):
+        part = (torch.randn(5003, 96, generator=g, device=device) * scale).to(torch.bfloat16)
+        _accumulate_compiled()(acc, part)
+        ref.add_(part.float())
+    assert torch.equal(acc, ref) and acc.dtype == torch.float32

@@ -60,6 +60,19 @@ def _chunk_compiled():
     return torch.compile(_chunk, fullgraph=True, dynamic=False)
 
 
+def _accumulate(acc: torch.Tensor, part: torch.Tensor) -> None:
+    """``acc += part`` in acc's dtype: part widened exactly, one rounding per element."""
+    acc.add_(part.to(acc.dtype))
+
+
+@functools.cache
+def _accumulate_compiled():
+    """``_accumulate`` compiled for a GPU: eager, the widening is a pass of its own that writes
+    an fp32 copy of the whole [V, D] partial gradient once per chunk; compiled, the widening
+    happens inside the add (the same bits)."""
+    return torch.compile(_accumulate, fullgraph=True, dynamic=False)
+
+
 def _compute_dtype(h: torch.Tensor) -> torch.dtype:
     if h.is_cuda and torch.is_autocast_enabled("cuda"):
         return torch.get_autocast_dtype("cuda")
@@ -82,13 +95,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dh = torch.empty_like(h) if want else None
             dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want else None
             chunk = _chunk_compiled() if h.is_cuda and compiled else _chunk
+            accumulate = _accumulate_compiled() if h.is_cuda and compiled else _accumulate
             for a in range(0, h.shape[0], rows):
                 b = min(a + rows, h.shape[0])
                 loss_N[a:b], g = chunk(F.linear(h[a:b], w), labels_N[a:b], valid_N[a:b], scale,
                                        want)
                 if want:
                     dh[a:b] = g @ w
-                    dw.add_((g.t() @ h[a:b]).float())
+                    accumulate(dw, g.t() @ h[a:b])
             loss = loss_N.sum() * scale
         ctx.save_for_backward(dh, dw)
         ctx.dtypes = (h_ND.dtype, w_VD.dtype)
