@@ -20,7 +20,8 @@ def test_counts_are_bincount_with_absent_values_and_out_of_range_ids_left_out():
     assert torch.equal(counts(ids.view(50, 100), 40), torch.bincount(ids, minlength=40))
     assert counts(ids, 40)[11] == 0 and counts(ids, 40)[37:].eq(0).all()
     assert torch.equal(counts(torch.tensor([-1, 0, 2, 5, 5]), 3), torch.tensor([1, 0, 1]))
-    assert torch.equal(counts(torch.empty(0, dtype=torch.long), 4), torch.zeros(4, dtype=torch.long))
+    none = torch.empty(0, dtype=torch.long)
+    assert torch.equal(counts(none, 4), torch.zeros(4, dtype=torch.long))
     s = torch.sort(ids).values
     assert torch.equal(sorted_counts(s, 37), torch.bincount(ids, minlength=37))
 
