@@ -71,6 +71,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("memo", "workbench.model.loss", "_chunk_compiled"): (
         "memo of torch.compile's wrapper of a pure function, made on first use: decides speed, "
         "not values (its GPU test holds it to the plain function)"),
+    ("memo", "workbench.model.loss", "_accumulate_compiled"): (
+        "memo of torch.compile's wrapper of an in-place add, made on first use: decides speed, "
+        "not values (its tests hold it to the eager add, bit for bit)"),
     ("memo", "workbench.train.data", "_permutation"): (
         "memo of a seeded permutation: a pure function of (seed, split, epoch, count)"),
     ("memo", "workbench.train.data", "load_corpus"): (
