@@ -11,6 +11,8 @@
 #                                                             -> $OUT/ep1/
 # Usage (device tool, nothing to carry):
 #   bash jobs/gpu/step_speed.sh
+#   STAGES=table,selective bash jobs/gpu/step_speed.sh; STAGES=gptoss,ep1 bash ...  # two calls
+#                              (every stage working can outlast one 600 s call on an H200)
 #   STAGES=selective ROUNDS=4 PROFILE=1 bash jobs/gpu/step_speed.sh
 #   DRY_RUN=cpu bash jobs/gpu/step_speed.sh     # every stage at CPU sizes (the tiny presets)
 set -uo pipefail
