@@ -29,8 +29,6 @@ def _ranks(n: int, args: list[str], extra_env: dict | None = None, timeout: floa
     return rank_processes(WORKER, n, args, extra_env, timeout)
 
 
-_one_line_per_run = one_error_line
-
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory) -> Path:
@@ -54,22 +52,22 @@ def text_jsonl(tmp_path_factory) -> Path:
 def test_a_fresh_run_into_an_existing_run_is_one_line(tmp_path):
     out = tmp_path / "run"
     assert _ranks(1, [*ARGS, "--steps", "1", "--out", str(out)])[0].returncode == 0
-    line = _one_line_per_run(_ranks(1, [*ARGS, "--steps", "2", "--out", str(out)]))
+    line = one_error_line(_ranks(1, [*ARGS, "--steps", "2", "--out", str(out)]))
     assert f"--out {out} already holds checkpoints of a run (newest step 1)" in line
     assert "pass --resume to continue it" in line
 
 
 @pytest.mark.distributed
-def test_a_batch_the_world_does_not_divide_is_one_line_per_run(tmp_path):
-    line = _one_line_per_run(_ranks(2, [*ARGS, "--steps", "1", "--batch", "3",
+def test_a_batch_the_world_does_not_divide_isone_error_line(tmp_path):
+    line = one_error_line(_ranks(2, [*ARGS, "--steps", "1", "--batch", "3",
                                         "--out", str(tmp_path / "run")]))
     assert "global batch 3 must be a multiple of the world size 2" in line
     assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.distributed
-def test_a_refused_command_line_is_one_line_per_run(tmp_path):
-    line = _one_line_per_run(_ranks(2, [*ARGS, "--recipe", "foo", "--out", str(tmp_path / "r")]))
+def test_a_refused_command_line_isone_error_line(tmp_path):
+    line = one_error_line(_ranks(2, [*ARGS, "--recipe", "foo", "--out", str(tmp_path / "r")]))
     assert "unknown format 'foo'" in line
 
 
@@ -78,14 +76,14 @@ def test_init_of_a_truncated_download_or_of_links_out_is_one_line(hf_model, tmp_
     shutil.copytree(hf_model, cut)
     with open(cut / "model.safetensors", "r+b") as f:
         f.truncate(5000)
-    line = _one_line_per_run(_ranks(1, [*ARGS, "--preset", "checkpoint", "--steps", "1",
+    line = one_error_line(_ranks(1, [*ARGS, "--preset", "checkpoint", "--steps", "1",
                                         "--init", str(cut), "--out", str(tmp_path / "a")]))
     assert line.startswith("error: --init:") and str(cut / "model.safetensors") in line, line
     linked = tmp_path / "linked"
     linked.mkdir()
     for f in hf_model.iterdir():
         (linked / f.name).symlink_to(f)
-    line = _one_line_per_run(_ranks(1, [*ARGS, "--preset", "checkpoint", "--steps", "1",
+    line = one_error_line(_ranks(1, [*ARGS, "--preset", "checkpoint", "--steps", "1",
                                         "--init", str(linked), "--out", str(tmp_path / "b")]))
     assert "outside the checkpoint folder" in line and str(linked) in line, line
 
@@ -102,7 +100,7 @@ def test_json_no_reader_can_take_is_one_line_naming_the_line(hf_model, text_json
     data = tmp_path / "bad.jsonl"
     data.write_bytes(text_jsonl.read_bytes() + record + b"\n")
     n = text_jsonl.read_bytes().count(b"\n") + 1
-    line = _one_line_per_run(_ranks(1, [*ARGS, "--preset", "checkpoint", "--steps", "1",
+    line = one_error_line(_ranks(1, [*ARGS, "--preset", "checkpoint", "--steps", "1",
                                         "--init", str(hf_model), "--data", str(data),
                                         "--out", str(tmp_path / "run")]))
     assert f"{data}:{n}:" in line and words in line, line
@@ -116,11 +114,11 @@ def _no_space(line: str, path: str) -> None:
 
 
 @pytest.mark.distributed
-def test_disk_full_in_the_metrics_is_one_line_per_run(tmp_path):
+def test_disk_full_in_the_metrics_isone_error_line(tmp_path):
     out = tmp_path / "run"
     ps = _ranks(2, [*ARGS, "--steps", "6", "--ckpt-every", "2", "--out", str(out)],
                 {"ENOSPC": "metrics", "ENOSPC_STEP": "3"})
-    _no_space(_one_line_per_run(ps), str(out / "metrics.jsonl"))
+    _no_space(one_error_line(ps), str(out / "metrics.jsonl"))
     assert [f.step for f in list_complete(out)] == [2]  # stopped at the next step boundary
 
 
@@ -129,7 +127,7 @@ def test_disk_full_in_one_ranks_export_shard_leaves_no_export(tmp_path):
     out = tmp_path / "run"
     ps = _ranks(2, [*ARGS, "--steps", "2", "--export", "bf16", "--out", str(out)],
                 {"ENOSPC": "export", "ENOSPC_RANK": "1"})
-    _no_space(_one_line_per_run(ps), str(out / ".tmp-export" / "model-00002-of-00002.safetensors"))
+    _no_space(one_error_line(ps), str(out / ".tmp-export" / "model-00002-of-00002.safetensors"))
     assert not (out / "export").exists() and not (out / "result.json").exists()
     # the run is resumable, and its export then complete
     ps = _ranks(2, [*ARGS, "--steps", "2", "--export", "bf16", "--resume", "--out", str(out)])
@@ -150,7 +148,7 @@ def test_disk_full_copying_the_tokenizer_keeps_the_previous_export(hf_model, tex
     assert "tokenizer.json" in before
     ps = _ranks(1, [*common, "--steps", "2", "--resume", "--allow-config-change", "steps"],
                 {"ENOSPC": "tokenizer"})
-    _no_space(_one_line_per_run(ps), str(out / ".tmp-export" / "tokenizer.json"))
+    _no_space(one_error_line(ps), str(out / ".tmp-export" / "tokenizer.json"))
     assert {p.name: p.read_bytes() for p in (out / "export").iterdir()} == before
 
 
@@ -159,7 +157,7 @@ def test_disk_full_in_the_token_cache_is_one_line(hf_model, text_jsonl, tmp_path
     ps = _ranks(1, [*ARGS, "--preset", "checkpoint", "--steps", "1", "--init", str(hf_model),
                     "--data", str(text_jsonl), "--token-cache", str(cache),
                     "--out", str(tmp_path / "run")], {"ENOSPC": "token-cache"})
-    line = _one_line_per_run(ps)
+    line = one_error_line(ps)
     assert line.startswith("error: no space left on ") and f"while writing {cache}/" in line
     assert line.endswith("/tokens.bin"), line
 
@@ -190,7 +188,7 @@ def test_a_checkpoint_on_a_really_full_disk_names_the_device_and_keeps_the_older
                        capture_output=True, text=True, timeout=300, check=False)
     if p.returncode == 99:
         pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
-    line = _one_line_per_run([p])
+    line = one_error_line([p])
     assert line.startswith(f"error: no space left on tmpfs (mounted at {fs}") and \
         f"while writing {out / 'checkpoints' / '.tmp-step_00000002'}" in line, line
     assert "older checkpoints are kept" in line

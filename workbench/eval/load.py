@@ -28,12 +28,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from workbench._io import JSONFileError, read_json
 from workbench.arch import ModelConfigError
 from workbench.checkpoint import CheckpointError
 from workbench.checkpoint.dcp_metadata import SafeFileSystemReader
 from workbench.eval.errors import EvalError
-from workbench.eval.refs import ModelRef
+from workbench.eval.refs import ModelRef, read_json_object
 from workbench.model import StateDictError, from_pretrained
 from workbench.qat import prepare
 from workbench.train.build import QAT_SCOPE, build_model, prepare_qat
@@ -78,10 +77,7 @@ def transformers_model(path: Path, device: torch.device, dtype: torch.dtype) -> 
         from transformers import AutoModelForCausalLM
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("workbench eval needs transformers: pip install 'workbench[eval]'") from e
-    try:
-        cfg = read_json(path / "config.json", what="config.json")
-    except JSONFileError as e:
-        raise EvalError(str(e)) from None
+    cfg = read_json_object(path / "config.json", "config.json")
     kwargs: dict[str, Any] = {}
     q = cfg.get("quantization_config")
     if isinstance(q, dict) and q.get("quant_method") == "mxfp4":
@@ -146,10 +142,7 @@ def _load_dcp(ref: ModelRef, device: torch.device) -> tuple[nn.Module, TrainConf
         model = build_model(cfg, info, overwritten=True)
     except (ModelConfigError, ValueError) as e:
         raise EvalError(f"{ref.run}: cannot build the run's model ({e})") from None
-    try:
-        marker = read_json(ref.path / "COMPLETE", what="the checkpoint's COMPLETE marker")
-    except JSONFileError as e:
-        raise EvalError(str(e)) from None
+    marker = read_json_object(ref.path / "COMPLETE", "the checkpoint's COMPLETE marker")
     found = Found(ref.step, ref.path, marker)
     sd = {f"model/{n}": p.data for n, p in model.named_parameters()}
     try:
@@ -171,8 +164,8 @@ def _run_tokenizer(ref: ModelRef, cfg: TrainConfig | None) -> str | None:
     data = ref.run / DATA_JSON if ref.run is not None else None
     if data is not None and data.is_file():
         try:
-            tok = read_json(data, what=DATA_JSON).get("tokenizer")
-        except (JSONFileError, AttributeError):  # unreadable, or not an object
+            tok = read_json_object(data, DATA_JSON).get("tokenizer")
+        except EvalError:  # unreadable, or not an object: the run's flags below instead
             tok = None
         if isinstance(tok, str) and Path(tok).is_dir():
             return tok

@@ -69,7 +69,9 @@ class ModelRef:
                 "packed": self.packed, "note": self.note, "engine": self.engine}
 
 
-def _read_json(path: Path, what: str) -> dict[str, Any]:
+def read_json_object(path: Path, what: str) -> dict[str, Any]:
+    """The JSON object in `path` (capped, non-blocking: `_io.read_json`); else an EvalError
+    naming the file."""
     try:
         obj = read_json(path, cap=MAX_JSON_BYTES, what=what)
     except JSONFileError as e:
@@ -81,7 +83,7 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
 
 def _hf_config(folder: Path) -> dict[str, Any] | None:
     f = folder / "config.json"
-    return _read_json(f, "config.json") if f.is_file() else None
+    return read_json_object(f, "config.json") if f.is_file() else None
 
 
 def _is_checkpoint(folder: Path) -> bool:
@@ -146,7 +148,7 @@ def _run_config(run: Path, meta: dict | None) -> dict[str, Any]:
     if not f.is_file():
         raise EvalError(f"{run}: a run folder without config.json (the trainer writes it at "
                         "start); cannot tell its recipe")
-    return _read_json(f, "the run's config.json")
+    return read_json_object(f, "the run's config.json")
 
 
 def _run_dcp(text: str, run: Path, step_dir: Path, meta: dict, note: str) -> ModelRef:
@@ -166,7 +168,7 @@ def _run(text: str, run: Path) -> ModelRef:
     conf = _run_config(run, None if (run / "config.json").is_file() or not found
                        else found[-1].meta)
     recipe = _recipe_text(conf.get("recipe"), conf.get("profile"), str(run / "config.json"))
-    result = _read_json(run / "result.json", "result.json") if (run / "result.json").is_file() \
+    result = read_json_object(run / "result.json", "result.json") if (run / "result.json").is_file() \
         else {}
     export = result.get("export")
     export = Path(export) if isinstance(export, str) and export else run / "export"
@@ -207,7 +209,7 @@ def parse_model(text: str) -> ModelRef:
     m = _STEP_DIR.match(path.name)
     if m and (path / COMPLETE).is_file() and path.parent.name == "checkpoints":
         run = path.parent.parent
-        meta = _read_json(path / COMPLETE, "the checkpoint's COMPLETE marker")
+        meta = read_json_object(path / COMPLETE, "the checkpoint's COMPLETE marker")
         return _run_dcp(text, run, path, meta, f"DCP checkpoint step {int(m.group(1))} with "
                                                "the run's fake quantization")
     if _is_run(path):
