@@ -24,7 +24,10 @@ status() { git status --porcelain --untracked-files=normal 2>/dev/null; }
 before=$(status)
 # --durations: the slowest tests end every log, so a run that nears CI's limit says where the
 # time went.
-.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadgroup --durations=25 "$@"
+# A run that outlasts 75 minutes (CI allows 90 with the set-up) names the tests still running and
+# ends with pytest's summary (tests/conftest.py), instead of being killed with no names.
+WORKBENCH_SUITE_LIMIT_S="${WORKBENCH_SUITE_LIMIT_S:-4500}" \
+  .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadgroup --durations=25 "$@"
 rc=$?
 if [ "$rc" = 5 ]; then echo "pytest collected no tests"; fi
 after=$(status)

@@ -95,7 +95,8 @@ def test_sigkill_before_the_rename_keeps_the_old_file(tmp_path):
         _io.os.replace = lambda src, dst: os.kill(os.getpid(), signal.SIGKILL)
         _io.atomic_write_json({str(p)!r}, {{"new": list(range(1000))}})
     """)
-    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == -signal.SIGKILL, r.stderr
     assert p.read_bytes() == before
     (left,) = _leftovers(tmp_path, p.name)

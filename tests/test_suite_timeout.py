@@ -10,10 +10,13 @@ shortened.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -24,6 +27,10 @@ import signal, time
 
 def test_hangs_in_native_code():
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])  # as C++ code would: no handler runs
+    waits_for_a_dead_rank()
+
+
+def waits_for_a_dead_rank():
     time.sleep(600)
 
 def test_after_it_still_runs():
@@ -37,18 +44,55 @@ def test_pyproject_limits_every_test():
     assert 60 <= int(ini["timeout"]) <= 1800
 
 
-def test_a_hung_test_is_named_and_the_suite_goes_on(tmp_path):
+def _pytest(tmp_path, tests: str, timeout: int, extra_env: dict | None = None):
+    """This repository's pytest configuration and suite-wide conftest on `tests`, under xdist as
+    `.ci/test.sh` runs it and with SIGINT ignored as in a background job; only the per-test
+    limit changed."""
     text = (ROOT / "pyproject.toml").read_text()
-    short, n = re.subn(r"(?m)^timeout = \d+$", "timeout = 3", text)
+    short, n = re.subn(r"(?m)^timeout = \d+$", f"timeout = {timeout}", text)
     assert n == 1, "pyproject.toml has no `timeout = N` line under [tool.pytest.ini_options]"
     (tmp_path / "pyproject.toml").write_text(short)
-    (tmp_path / "test_hang.py").write_text(HANG)
+    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_it.py").write_text(tests)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WORKBENCH_TEST_STACKS", "WORKBENCH_SUITE_LIMIT_S")}
+    start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n", "1", "-p", "no:cacheprovider", "test_hang.py"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "pytest", "-n", "1", "-p", "no:cacheprovider", "test_it.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**env, **(extra_env or {})},
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-    out = proc.stdout + proc.stderr
+    return proc, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+def test_a_hung_test_is_named_with_its_stack_and_the_suite_goes_on(tmp_path):
+    proc, out, _ = _pytest(tmp_path, HANG, timeout=3)
     assert proc.returncode == 1, out[-3000:]
     # the watchdog ends the worker; xdist reports the test by name and starts a new worker
-    assert "crashed while running 'test_hang.py::test_hangs_in_native_code'" in out, out[-3000:]
+    assert "crashed while running 'test_it.py::test_hangs_in_native_code'" in out, out[-3000:]
     assert "1 passed" in out, out[-3000:]  # the test after it ran on a fresh worker
+    # ... and the conftest said so at once, with where it hung, before the run went on
+    said = out.find("died running test_it.py::test_hangs_in_native_code")
+    assert 0 <= said < out.find("replacing crashed worker"), out[-3000:]
+    assert re.search(r"test_it\.py\", line \d+ in waits_for_a_dead_rank", out[said:]), out[-3000:]
+    assert not list(tmp_path.glob("pytest-stacks-*"))
+
+
+SLOW = '''
+import time
+
+def test_quick():
+    pass
+
+def test_takes_all_night():
+    time.sleep(100)
+'''
+
+
+def test_the_suite_limit_names_what_still_runs_and_ends_with_a_summary(tmp_path):
+    proc, out, took = _pytest(tmp_path, SLOW, timeout=300,
+                              extra_env={"WORKBENCH_SUITE_LIMIT_S": "6"})
+    assert proc.returncode == 2, out[-3000:]  # pytest's "interrupted"
+    assert took < 60, out[-3000:]
+    assert re.search(r"suite stopped by SIGTERM; tests still running: "
+                     r"test_it\.py::test_takes_all_night \(\d+ s\)", out), out[-3000:]
+    assert "1 passed" in out, out[-3000:]  # the summary was printed

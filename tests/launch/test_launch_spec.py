@@ -185,7 +185,8 @@ def test_import_is_light():
             "assert s.train.batch == 8 and '--batch=8' in s.job_argv(); "
             "print(sorted(m for m in ('submitit', 'pandas', 'torch', 'wandb') "
             "if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=300)
     assert out.stdout.strip() == "[]"
 
 

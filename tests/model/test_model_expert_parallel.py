@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import socket
+import time
 
 import model_ep_worker as W
 import pytest
@@ -47,9 +48,18 @@ def reference():
 def ep_run(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"ep{world}")
-    # fork: children skip re-importing torch, which dominates start-up on two cores.
-    mp.start_processes(W.worker, args=(world, _free_port(), str(out)), nprocs=world, join=True,
-                       start_method="fork")
+    # forkserver, not fork: forking this process (pytest's watchdog and I/O threads, torch's
+    # pools) can leave a child waiting on a lock no thread will release. The server imports
+    # torch and the worker once; each rank forks from it, single-threaded.
+    mp.get_context("forkserver").set_forkserver_preload(["torch", W.__name__])
+    ctx = mp.start_processes(W.worker, args=(world, _free_port(), str(out)), nprocs=world,
+                             join=False, start_method="forkserver")
+    deadline = time.monotonic() + 300
+    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise AssertionError(f"EP{world} ranks still ran after 300 s")
     ranks = {}
     for path in out.glob("*.safetensors"):
         case, rank = path.stem.rsplit(".rank", 1)

@@ -8,6 +8,8 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -53,27 +55,42 @@ def _free_port() -> int:
 def rank_processes(worker: Path, n: int, args: list[str], extra_env: dict | None = None,
                    timeout: float = 400) -> list[subprocess.CompletedProcess]:
     """`worker` in `n` processes, one per rank, wired as torchrun wires them (without its agent,
-    so each rank's own exit code and stderr come back); a single process when n is 1."""
-    if n == 1:
-        return [subprocess.run([sys.executable, str(worker), *args], cwd=REPO, text=True,
-                               env={**env(), **(extra_env or {})}, capture_output=True,
-                               timeout=timeout, check=False)]
+    so each rank's own exit code and stderr come back); a single process when n is 1.
+
+    Each rank writes to files, not pipes: a rank blocked on a full pipe that nobody reads yet
+    would hold the others in their next collective. One deadline covers all ranks."""
     port = _free_port()
-    procs = []
-    for rank in range(n):
-        e = {**env(), **(extra_env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
-             "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, str(worker), *args], env=e, cwd=REPO,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    done = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    procs, logs = [], []
+    with tempfile.TemporaryDirectory(prefix="ranks-") as d:
+        try:
+            for rank in range(n):
+                e = {**env(), **(extra_env or {})}
+                if n > 1:
+                    e.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n),
+                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                out, err = (open(Path(d) / f"{rank}.{k}", "w+") for k in ("out", "err"))
+                logs.append((out, err))
+                procs.append(subprocess.Popen([sys.executable, str(worker), *args], env=e,
+                                              cwd=REPO, stdout=out, stderr=err, text=True))
+            deadline = time.monotonic() + timeout
+            for p in procs:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    break
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        done = []
+        for p, (out, err) in zip(procs, logs):
+            out.seek(0), err.seek(0)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read()))
+            out.close(), err.close()
+    late = [i for i, p in enumerate(done) if p.returncode == -9]
+    assert not late, f"ranks {late} still ran after {timeout} s: " + \
+        " | ".join(p.stderr[-2000:] for p in done)
     return done
 
 

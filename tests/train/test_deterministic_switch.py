@@ -140,7 +140,7 @@ def test_submitit_local_job_ranks_get_argv_and_env(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_slurm_job_ranks_on_both_nodes_get_argv_and_env(tmp_path, monkeypatch):
     if shutil.which("sbatch") is None or subprocess.run(
-            ["sinfo", "-h"], capture_output=True, check=False).returncode != 0:
+            ["sinfo", "-h"], capture_output=True, check=False, timeout=60).returncode != 0:
         if os.environ.get("WORKBENCH_REQUIRE_SLURM") == "1":
             pytest.fail("no Slurm cluster answers sinfo (start jobs/slurm/local-cluster.sh)")
         pytest.skip("no Slurm cluster answers sinfo (jobs/slurm/local-cluster.sh starts one)")

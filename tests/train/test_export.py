@@ -355,7 +355,7 @@ def test_reader_package_imports_no_trainer():
             "(['workbench', 'model'], ['workbench', 'qat'], ['workbench', 'train'])))")
     env = {**os.environ, "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env=env).stdout.strip().splitlines()[-1]
+                         env=env, timeout=300).stdout.strip().splitlines()[-1]
     assert out == "[]"
 
 

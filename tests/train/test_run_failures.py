@@ -29,7 +29,6 @@ def _ranks(n: int, args: list[str], extra_env: dict | None = None, timeout: floa
     return rank_processes(WORKER, n, args, extra_env, timeout)
 
 
-
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory) -> Path:
     import realdata
@@ -58,7 +57,7 @@ def test_a_fresh_run_into_an_existing_run_is_one_line(tmp_path):
 
 
 @pytest.mark.distributed
-def test_a_batch_the_world_does_not_divide_isone_error_line(tmp_path):
+def test_a_batch_the_world_does_not_divide_is_one_line_per_run(tmp_path):
     line = one_error_line(_ranks(2, [*ARGS, "--steps", "1", "--batch", "3",
                                         "--out", str(tmp_path / "run")]))
     assert "global batch 3 must be a multiple of the world size 2" in line
@@ -66,7 +65,7 @@ def test_a_batch_the_world_does_not_divide_isone_error_line(tmp_path):
 
 
 @pytest.mark.distributed
-def test_a_refused_command_line_isone_error_line(tmp_path):
+def test_a_refused_command_line_is_one_line_per_run(tmp_path):
     line = one_error_line(_ranks(2, [*ARGS, "--recipe", "foo", "--out", str(tmp_path / "r")]))
     assert "unknown format 'foo'" in line
 
@@ -114,7 +113,7 @@ def _no_space(line: str, path: str) -> None:
 
 
 @pytest.mark.distributed
-def test_disk_full_in_the_metrics_isone_error_line(tmp_path):
+def test_disk_full_in_the_metrics_is_one_line_per_run(tmp_path):
     out = tmp_path / "run"
     ps = _ranks(2, [*ARGS, "--steps", "6", "--ckpt-every", "2", "--out", str(out)],
                 {"ENOSPC": "metrics", "ENOSPC_STEP": "3"})
