@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -173,7 +174,9 @@ def test_compressed_tensors_nvfp4_export_is_compressed_tensors_decode(tmp_path, 
 @pytest.mark.distributed
 def test_gpt_oss_exports_are_the_same_bytes_at_ep2_and_under_fsdp(tmp_path):
     """The fused gpt-oss layouts gather each layer's experts on rank 0: an EP2 model and an
-    EP1 x FSDP2 model built from the same --init write the files the world-1 model writes."""
+    EP1 x FSDP2 model built from the same --init write the files the world-1 model writes. A
+    second export into the same folder, whose first expert shard meets a full disk on rank 0,
+    fails on every rank with the same line (none waits forever) and leaves the first intact."""
     import subprocess
     import sys
     from pathlib import Path
@@ -194,6 +197,15 @@ def test_gpt_oss_exports_are_the_same_bytes_at_ep2_and_under_fsdp(tmp_path):
                            env=env(), cwd=REPO, capture_output=True, text=True, timeout=600,
                            check=False)
         assert p.returncode == 0, p.stderr[-5000:]
+    for layout in ("ep", "fsdp"):
+        got = [json.loads((tmp_path / f"{layout}-full-rank{r}.json").read_text()) for r in (0, 1)]
+        assert [g["writes"] for g in got] == [2, 0], got  # none after the failed shard
+        # rank 0 reports the full disk; rank 1 stops with it too, it does not wait forever
+        assert [g["type"] for g in got] == ["NoSpaceError", "PeerFailed"], got
+        assert got[1]["error"] == f"rank 0 failed: {got[0]['error']}", got
+        shard = re.escape(str(tmp_path / f".tmp-{layout}-gpt-oss" / "model-00002-of-"))
+        assert re.match(rf"no space left on .* while writing {shard}\d{{5}}\.safetensors$",
+                        got[0]["error"]), got[0]
     info = setup()
     for fmt, recipe in (("gpt-oss", "mxfp4"), ("bf16", "bf16")):
         cfg = from_checkpoint("/nonexistent-not-written", str(init), recipe=recipe, batch=4,
