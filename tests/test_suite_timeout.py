@@ -96,3 +96,17 @@ def test_the_suite_limit_names_what_still_runs_and_ends_with_a_summary(tmp_path)
     assert re.search(r"suite stopped by SIGTERM; tests still running: "
                      r"test_it\.py::test_takes_all_night \(\d+ s\)", out), out[-3000:]
     assert "1 passed" in out, out[-3000:]  # the summary was printed
+
+
+FORKS = re.compile(r"""start_method\s*=\s*["']fork["']|get_context\(\s*["']fork["']|os\.fork\(""")
+
+
+def test_no_test_forks_the_pytest_worker():
+    """A fork of the worker (pytest-timeout's watchdog, execnet's reader, torch's pools are
+    threads) can leave the child waiting on a lock that no thread of it will ever release: the
+    hang this file's limit would then have to end."""
+    here = Path(__file__).resolve()
+    found = [f"{p.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}"
+             for p in sorted((ROOT / "tests").rglob("*.py")) if p != here
+             for text in [p.read_text()] for m in FORKS.finditer(text)]
+    assert not found, found
