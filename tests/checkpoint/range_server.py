@@ -97,6 +97,15 @@ class RangeServer:
 
     def _send(self, h, status: int, body: bytes, headers: dict, name: str | None,
               count: bool = True, cut: int | None = None, head: bool = False) -> None:
+        sent = b"" if head else body if cut is None else body[:cut]
+        # logged before any byte goes out: a client that has its reply (for an empty body, the
+        # headers are all of it) finds it in the log, never after a reset that followed it
+        with self._lock:
+            self.log.requests.append(("HEAD" if head else "GET", name, h.headers.get("Range"),
+                                      status))
+            if count and 200 <= status < 300 and name is not None:
+                self.log.served += len(sent)
+                self.log.per_file[name] = self.log.per_file.get(name, 0) + len(sent)
         h.send_response(status)
         for k, v in {**getattr(self._tls, 'extra', {}), **headers}.items():
             h.send_header(k, v)
@@ -104,14 +113,6 @@ class RangeServer:
         if cut is not None:
             h.send_header("Connection", "close")
         h.end_headers()
-        sent = b"" if head else body if cut is None else body[:cut]
-        # logged before the body goes out: a client that has its reply finds it in the log
-        with self._lock:
-            self.log.requests.append(("HEAD" if head else "GET", name, h.headers.get("Range"),
-                                      status))
-            if count and 200 <= status < 300 and name is not None:
-                self.log.served += len(sent)
-                self.log.per_file[name] = self.log.per_file.get(name, 0) + len(sent)
         h.wfile.write(sent)
         if cut is not None:
             h.wfile.flush()

@@ -361,3 +361,25 @@ def test_a_file_changed_on_the_server_is_never_mixed(ckpt, tmp_path):
         assert err.value.path == f"{srv.url}/{shard}" and err.value.tensor == other
         again = open_checkpoint(srv.url, remote=opts(cache)).index.read(name)
     assert torch.equal(again.view(torch.uint8), (255 - before.view(torch.uint8)))
+
+
+def test_the_test_server_logs_a_request_before_the_client_has_its_reply(tmp_path, monkeypatch):
+    """The tests reset the server's log and then assert "no request since": a reply the client
+    already had (a 404's headers are all of it) must never be logged after that reset."""
+    import http.server
+    import time
+    import urllib.error
+    import urllib.request
+
+    real = http.server.BaseHTTPRequestHandler.end_headers
+
+    def slow_after_headers(self):  # the server thread loses the CPU once the reply is out
+        real(self)
+        time.sleep(0.5)
+
+    monkeypatch.setattr(http.server.BaseHTTPRequestHandler, "end_headers", slow_after_headers)
+    with RangeServer(tmp_path) as srv:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"{srv.url}/missing.json", timeout=30)
+        assert e.value.code == 404
+        assert srv.log.requests == [("GET", "missing.json", None, 404)]
