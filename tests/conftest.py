@@ -93,7 +93,7 @@ def _say(config, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
     else:
         reporter.write_line(text)
-        reporter._tw.flush()
+        reporter.flush()
 
 
 def _time_is_up(config, signum: int):
