@@ -60,7 +60,7 @@ def rank_processes(worker: Path, n: int, args: list[str], extra_env: dict | None
     Each rank writes to files, not pipes: a rank blocked on a full pipe that nobody reads yet
     would hold the others in their next collective. One deadline covers all ranks."""
     port = _free_port()
-    procs, logs = [], []
+    procs, logs, late = [], [], []
     with tempfile.TemporaryDirectory(prefix="ranks-") as d:
         try:
             for rank in range(n):
@@ -79,16 +79,15 @@ def rank_processes(worker: Path, n: int, args: list[str], extra_env: dict | None
                 except subprocess.TimeoutExpired:
                     break
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            late = [i for i, p in enumerate(procs) if p.poll() is None]
+            for i in late:
+                procs[i].kill()
+                procs[i].wait()
         done = []
         for p, (out, err) in zip(procs, logs):
             out.seek(0), err.seek(0)
             done.append(subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read()))
             out.close(), err.close()
-    late = [i for i, p in enumerate(done) if p.returncode == -9]
     assert not late, f"ranks {late} still ran after {timeout} s: " + \
         " | ".join(p.stderr[-2000:] for p in done)
     return done
