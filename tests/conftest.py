@@ -144,7 +144,9 @@ def pytest_runtest_protocol(item, nextitem):
     with open(os.path.join(folder, f"{worker}.txt"), "w") as f:
         f.write(f"{item.nodeid}\n")
         f.flush()
-        faulthandler.dump_traceback_later(0.95 * limit, file=f)
+        # shortly before the limit: 5% of it, at least a second (a loaded machine's jitter)
+        faulthandler.dump_traceback_later(max(0.5 * limit, limit - max(1.0, 0.05 * limit)),
+                                          file=f)
         try:
             yield
         finally:

@@ -56,6 +56,8 @@ def _pytest(tmp_path, tests: str, timeout: int, extra_env: dict | None = None):
     (tmp_path / "test_it.py").write_text(tests)
     env = {k: v for k, v in os.environ.items()
            if k not in ("WORKBENCH_TEST_STACKS", "WORKBENCH_SUITE_LIMIT_S")}
+    (tmp_path / "tmp").mkdir()
+    env["TMPDIR"] = str(tmp_path / "tmp")  # where the conftest keeps the workers' stacks
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-n", "1", "-p", "no:cacheprovider", "test_it.py"],
@@ -74,7 +76,7 @@ def test_a_hung_test_is_named_with_its_stack_and_the_suite_goes_on(tmp_path):
     said = out.find("died running test_it.py::test_hangs_in_native_code")
     assert 0 <= said < out.find("replacing crashed worker"), out[-3000:]
     assert re.search(r"test_it\.py\", line \d+ in waits_for_a_dead_rank", out[said:]), out[-3000:]
-    assert not list(tmp_path.glob("pytest-stacks-*"))
+    assert not list((tmp_path / "tmp").glob("pytest-stacks-*"))  # removed at the end
 
 
 SLOW = '''
