@@ -304,8 +304,13 @@ def main(argv=None) -> int:
                 leave(*key)
 
     tokens_step = cfg.batch * cfg.seq
-    base_key = next((k for k in plan_keys if k[0] == "bf16" and rows[k]["times"]), None)
-    base = statistics.median(rows[base_key]["times"]) if base_key else float("nan")
+    first_bf16 = next((k for k in plan_keys if k[0] == "bf16" and rows[k]["times"]), None)
+
+    def base_of(levers: tuple[str, ...]) -> float:
+        """The BF16 step with the same levers (QAT's cost in that mode), else the first BF16 row."""
+        same = ("bf16", levers)
+        key = same if same in rows and rows[same]["times"] else first_bf16
+        return statistics.median(rows[key]["times"]) if key else float("nan")
     lines = [f"`python jobs/bench_step_gpu.py {' '.join(sys.argv[1:] if argv is None else argv)}`"
              .replace("  ", " "), "",
              f"{meta['device']}, torch {meta['torch']}, CUDA {meta['cuda']}, Triton "
@@ -314,7 +319,7 @@ def main(argv=None) -> int:
              f"deterministic mode on unless noted; N_active {flops['n_active'] / 1e9:.3f}B; "
              f"median of {args.rounds - 1} rounds x {args.steps} steps", "",
              "| configuration | wall ms/step | GPU busy ms/step | tokens/s/GPU | TFLOP/s | MFU | "
-             "peak GiB | vs first BF16 row |", "|---|---|---|---|---|---|---|---|"]
+             "peak GiB | vs BF16, same levers |", "|---|---|---|---|---|---|---|---|"]
     out_rows = []
     for (recipe, levers), r in rows.items():
         label = "@".join((recipe, *levers))
@@ -323,6 +328,7 @@ def main(argv=None) -> int:
             out_rows.append({"recipe": recipe, "levers": levers, "error": r.get("error")})
             continue
         dt = statistics.median(r["times"])
+        base = base_of(levers)
         tflops = flops["causal"] * tokens_step / dt / 1e12
         busy = r.get("profile", {}).get("busy_ms", float("nan"))
         lines.append(f"| {label} | {dt * 1e3:.1f} | {busy:.1f} | {tokens_step / dt:.0f} | "

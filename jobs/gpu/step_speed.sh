@@ -5,8 +5,10 @@
 #              largest batch that fits), BF16 and every QAT recipe compiled, deterministic and
 #              not, interleaved, MFU table, a kernel profile  -> $OUT/table/bench_step_gpu.{md,json}
 #   selective  the same shape with selective activation checkpointing (the outputs of the GEMMs
-#              and attention kept)                           -> $OUT/selective/...
-#   gptoss     the gpt-oss-20b-shaped preset, BF16 and NVFP4+MXFP8 -> $OUT/gptoss/...
+#              and attention kept), 16 sequences (SEL_BATCH), every recipe deterministic off,
+#              BF16 and NVFP4+MXFP8 on                       -> $OUT/selective/...
+#   gptoss     the gpt-oss-20b-shaped preset, selective, BF16, MXFP4 and NVFP4+MXFP8
+#                                                             -> $OUT/gptoss/...
 #   ep1        the EP1 protocol in deterministic mode: bitwise resume after SIGKILL, and its cost
 #                                                             -> $OUT/ep1/
 # Usage (device tool, nothing to carry):
@@ -22,10 +24,10 @@ export WANDB_MODE=disabled
 STAGES=${STAGES:-table,selective,gptoss,ep1}
 ROUNDS=${ROUNDS:-3}
 SHAPE=(--batch 32,16,8 --rounds "$ROUNDS" --steps 2 --profile "${PROFILE:-1}")
-T=${T:-240}; QWEN=qwen3_30b_a3b_like; GPTOSS=gpt_oss_20b_like
+T=${T:-240}; QWEN=qwen3_30b_a3b_like; GPTOSS=gpt_oss_20b_like; SEL=${SEL_BATCH:-16}
 if [ "${DRY_RUN:-}" = cpu ]; then  # the small presets: the real shapes' experts alone exceed a CPU box
   SHAPE=(--cpu --batch 2 --seq 64 --layers 1 --rounds 2 --steps 1 --profile "${PROFILE:-1}")
-  T=900; QWEN=tiny; GPTOSS=tiny_gpt_oss
+  T=900; QWEN=tiny; GPTOSS=tiny_gpt_oss; SEL=${SEL_BATCH:-2}
 fi
 DET=bf16@compile,mxfp4@compile,nvfp4@compile,mxfp4+mxfp8@compile,nvfp4+mxfp8@compile
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
@@ -43,12 +45,17 @@ if [[ $STAGES == *table* ]]; then
   bench table "${SHAPE[@]}" --preset "$QWEN" \
     --configs "$DET,bf16@compile@no-det,nvfp4+mxfp8@compile@no-det"
 fi
+# every recipe with deterministic mode off (the throughput a run gets), then BF16 and one recipe
+# with it on (what the bit-exact protocol costs); each row is compared with BF16 in its own mode
+NODET=bf16@compile@no-det,mxfp4@compile@no-det,nvfp4@compile@no-det
+NODET=$NODET,mxfp4+mxfp8@compile@no-det,nvfp4+mxfp8@compile@no-det
 if [[ $STAGES == *selective* ]]; then
-  bench selective "${SHAPE[@]}" --preset "$QWEN" --act-ckpt selective \
-    --configs bf16@compile,nvfp4+mxfp8@compile,bf16@compile@no-det
+  bench selective "${SHAPE[@]}" --batch "$SEL" --preset "$QWEN" --act-ckpt selective \
+    --configs "$NODET,bf16@compile,nvfp4+mxfp8@compile"
 fi
 if [[ $STAGES == *gptoss* ]]; then
-  bench gptoss "${SHAPE[@]}" --preset "$GPTOSS" --configs bf16@compile,nvfp4+mxfp8@compile
+  bench gptoss "${SHAPE[@]}" --batch "$SEL,$(( (SEL + 1) / 2 ))" --preset "$GPTOSS" --act-ckpt selective \
+    --configs bf16@compile@no-det,mxfp4@compile@no-det,nvfp4+mxfp8@compile@no-det,bf16@compile
 fi
 if [[ $STAGES == *ep1* ]]; then
   stamp "EP1 protocol (deterministic)"
