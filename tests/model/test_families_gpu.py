@@ -1,8 +1,8 @@
 """Every family on CUDA: the model of each family preset computes the CPU model's logits, loss
 and gradients in fp32 (the CPU model is the one proven against transformers in
 test_families_parity.py), and a bf16-autocast step (the trainer's GPU precision) stays close
-and finite. Sinks and windows run SDPA with a mask, MLA with padded values: the CUDA kernels
-those take are exercised here. Skipped without a GPU."""
+and finite. Sinks and windows run FlexAttention (the CPU: SDPA with a mask and a sink key), MLA
+SDPA with padded values: the CUDA kernels those take are exercised here. Skipped without a GPU."""
 
 from __future__ import annotations
 

@@ -39,6 +39,8 @@ _SAVE = {
 }
 if hasattr(torch.ops.aten, "_grouped_mm"):
     _SAVE.add(torch.ops.aten._grouped_mm.default)
+# windows and sinks on CUDA run FlexAttention (workbench.model.attention), a higher-order op
+_SAVE.add(torch.ops.higher_order.flex_attention)
 
 
 def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

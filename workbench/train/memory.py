@@ -288,7 +288,9 @@ def rank_memory(cfg: MoEConfig, *, world: int, ep: int, fsdp: int = 1, batch: in
     bytes_per_word = 2.5 if gpu else 4.0
     per_token = (words["layers"] + words["head"] + words["recompute"]) * bytes_per_word
     tokens = batch * seq / world
-    masks = mask_floats(cfg, seq)
+    # on a GPU a window or sinks run FlexAttention (model.attention), whose block mask is a
+    # few KiB: only the CPU's SDPA path keeps [S, S] masks
+    masks = 0.0 if gpu else mask_floats(cfg, seq)
     if act_ckpt == "full" and masks:  # one layer's mask lives at a time
         masks /= sum(1 for i in range(cfg.num_layers)
                      if cfg.attention.sinks or cfg.attention.window(i))
