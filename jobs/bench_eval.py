@@ -11,10 +11,13 @@ trainer's `export_model`), a BPE tokenizer trained on the shipped corpus, and tw
 tasks made from the corpus' validation split: a 4-way multiple choice (which line follows;
 log-likelihood requests) and a line completion (greedy generation up to the newline). Each
 model is loaded once per task by `workbench.eval.run` and timed by it (the harness's own
-`simple_evaluate` call, model loading excluded), after one untimed warm-up evaluation.
+`simple_evaluate` call, model loading excluded), after an untimed warm-up of every model on both
+tasks.
 
 Rows: model (bf16, packed, ptq), engine (transformers / workbench), task, documents, lm-eval
-requests, seconds, requests/s and documents/s, and the packed model's speed relative to BF16.
+requests, seconds, requests/s and documents/s, generated tokens/s (the line completion: a random
+model stops where its own text first holds a newline, so documents/s alone would compare unequal
+work), and each model's speed relative to BF16 (requests/s; generated tokens/s for generation).
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ from pathlib import Path
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 import torch
+from transformers import AutoTokenizer
 
 from workbench._io import atomic_write_json, atomic_write_text
 from workbench.arch import preset
 from workbench.eval import run
+from workbench.eval.record import safe_name
 from workbench.model import MoEForCausalLM
 from workbench.track import read_eval
 from workbench.train.data import load_corpus
@@ -120,6 +125,17 @@ def write_models(out: Path, name: str, layers: int | None, recipe: str, device: 
     return bf16, packed
 
 
+def generated_tokens(samples: Path, tok) -> int:
+    """Tokens the model generated over a generation task's samples (its raw answers, before the
+    stop sequence is cut off, re-tokenized)."""
+    n = 0
+    for line in samples.read_text().splitlines():
+        for resp in json.loads(line).get("resps", []):
+            text = resp[0] if isinstance(resp, list) else resp
+            n += len(tok(text, add_special_tokens=False)["input_ids"])
+    return n
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="qwen3_30b_a3b_like")
@@ -145,30 +161,41 @@ def main(argv: list[str] | None = None) -> list[dict]:
     names = dict(zip(models, args.models.split(",")))
     common = {"include": [tasks], "device": args.device, "batch_size": args.batch_size,
               "record_runs": False, "log": lambda s: None}
-    run([models[0]], "bench_choice", out=out / "warmup", limit=2, **common)  # CUDA init, caches
+    # every model through both tasks first, untimed: CUDA init, kernel choices and the first
+    # generate's set-up would otherwise fall on whichever model runs first
+    run(models, "bench_choice,bench_complete", out=out / "warmup", limit=2, **common)
+    tok = AutoTokenizer.from_pretrained(bf16)
     rows = []
     for task, docs in (("bench_choice", args.docs), ("bench_complete", args.gen_docs)):
         run(models, task, out=out / task, **common)
         for m in read_eval(out / task)["models"]:
             per_doc = 4 if task == "bench_choice" else 1
-            rows.append({"model": names[m["ref"]["text"]], "engine": m["engine"], "task": task,
-                         "docs": docs, "requests": docs * per_doc, "seconds": m["seconds"],
-                         "requests_per_s": docs * per_doc / m["seconds"],
-                         "docs_per_s": docs / m["seconds"], "precision": m["precision"]})
-    base = {r["task"]: r["seconds"] for r in rows if r["model"] == "bf16"}
+            row = {"model": names[m["ref"]["text"]], "engine": m["engine"], "task": task,
+                   "docs": docs, "requests": docs * per_doc, "seconds": m["seconds"],
+                   "requests_per_s": docs * per_doc / m["seconds"],
+                   "docs_per_s": docs / m["seconds"], "precision": m["precision"]}
+            if task == "bench_complete":  # a random model stops at its own length: count it
+                row["generated_tokens"] = generated_tokens(
+                    out / task / "samples" / safe_name(m["label"]) / f"{task}.jsonl", tok)
+                row["gen_tokens_per_s"] = row["generated_tokens"] / m["seconds"]
+            rows.append(row)
+    def rate(r):  # generation: tokens made per second (models stop at different lengths)
+        return r.get("gen_tokens_per_s", r["requests_per_s"])
+
+    base = {r["task"]: rate(r) for r in rows if r["model"] == "bf16"}
     for r in rows:
-        r["speed_vs_bf16"] = base[r["task"]] / r["seconds"] if r["task"] in base else None
+        r["speed_vs_bf16"] = rate(r) / base[r["task"]] if base.get(r["task"]) else None
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"\n[bench_eval] {args.preset} ({args.layers or 'all'} layers), {dev}, batch "
           f"{args.batch_size}, torch {torch.__version__}")
     head = ("model", "engine", "task", "docs", "requests", "seconds", "requests/s", "docs/s",
-            "vs bf16", "precision")
+            "generated tokens/s", "vs bf16", "precision")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
         vs = "-" if r["speed_vs_bf16"] is None else f"{r['speed_vs_bf16']:.2f}x"
         print(f"| {r['model']} | {r['engine']} | {r['task']} | {r['docs']} | {r['requests']} | "
-              f"{r['seconds']:.2f} | {r['requests_per_s']:.1f} | {r['docs_per_s']:.2f} | {vs} | "
-              f"{r['precision']} |")
+              f"{r['seconds']:.2f} | {r['requests_per_s']:.1f} | {r['docs_per_s']:.2f} | "
+              f"{r.get('gen_tokens_per_s', float('nan')):.1f} | {vs} | {r['precision']} |")
     atomic_write_json(out / "bench_eval.json", rows)
     return rows
 

@@ -1,5 +1,6 @@
 """jobs/bench_eval.py runs end to end on CPU (tiny preset) and prints one row per model and
-task, the packed export timed against the BF16 checkpoint of the same run."""
+task, the packed export timed against the BF16 checkpoint of the same run, generation by the
+tokens each model made."""
 
 from __future__ import annotations
 
@@ -28,6 +29,16 @@ def test_bench_eval_job_prints_its_table(tmp_path):
     assert all(r["seconds"] > 0 and r["requests"] == r["docs"] * (4 if r["task"] ==
                "bench_choice" else 1) for r in rows)
     assert [r["speed_vs_bf16"] for r in rows if r["model"] == "bf16"] == [1.0, 1.0]
+    gen = [r for r in rows if r["task"] == "bench_complete"]
+    # generation is compared by tokens made: at most max_gen_toks (32) per document, at least 1
+    assert all(3 <= r["generated_tokens"] <= 3 * 32 for r in gen)
+    bf16_rate = gen[0]["generated_tokens"] / gen[0]["seconds"]
+    for r in gen:
+        assert r["speed_vs_bf16"] == pytest.approx(r["generated_tokens"] / r["seconds"] / bf16_rate)
+    # the untimed warm-up took every model through both tasks
+    warm = json.loads((out / "warmup" / "eval.json").read_text())
+    assert len(warm["models"]) == 3
+    assert all({"bench_choice", "bench_complete"} <= set(m["results"]) for m in warm["models"])
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert len(table) == 1 + len(rows)
     packed = json.loads((out / "packed-mxfp4" / "config.json").read_text())
