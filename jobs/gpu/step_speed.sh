@@ -7,7 +7,8 @@
 #   selective  the same shape with selective activation checkpointing (the outputs of the GEMMs
 #              and attention kept), 16 sequences (SEL_BATCH), every recipe deterministic off,
 #              BF16 and NVFP4+MXFP8 on                       -> $OUT/selective/...
-#   gptoss     the gpt-oss-20b-shaped preset, selective, BF16, MXFP4 and NVFP4+MXFP8
+#   gptoss     the gpt-oss-20b-shaped preset (2 layers, GPTOSS_LAYERS), selective, 8 sequences,
+#              BF16, MXFP4 and NVFP4+MXFP8
 #                                                             -> $OUT/gptoss/...
 #   ep1        the EP1 protocol in deterministic mode: bitwise resume after SIGKILL, and its cost
 #                                                             -> $OUT/ep1/
@@ -54,7 +55,10 @@ if [[ $STAGES == *selective* ]]; then
     --configs "$NODET,bf16@compile,nvfp4+mxfp8@compile"
 fi
 if [[ $STAGES == *gptoss* ]]; then
-  bench gptoss "${SHAPE[@]}" --batch "$SEL,$(( (SEL + 1) / 2 ))" --preset "$GPTOSS" --act-ckpt selective \
+  # 2 layers: at 4 the fp32 masters, gradients and AdamW moments (16 B x 4.4B) fill an H100
+  OSS=(--batch "$(( (SEL + 1) / 2 )),$(( (SEL + 3) / 4 ))")
+  [ "${DRY_RUN:-}" = cpu ] || OSS+=(--layers "${GPTOSS_LAYERS:-2}")
+  bench gptoss "${SHAPE[@]}" "${OSS[@]}" --preset "$GPTOSS" --act-ckpt selective \
     --configs bf16@compile@no-det,mxfp4@compile@no-det,nvfp4+mxfp8@compile@no-det,bf16@compile
 fi
 if [[ $STAGES == *ep1* ]]; then

@@ -94,7 +94,8 @@ def attend_sdpa(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor
 def _flex_mask(S: int, window: int, device: str):
     """FlexAttention's block mask for causal attention within the last `window` positions (the
     rule of `attention_mask`), built once per shape: blocks wholly outside it are skipped, so a
-    128-token window costs O(S x 128), not O(S^2)."""
+    128-token window costs O(S x 128), not O(S^2). Building it evaluates the rule on all S x S
+    pairs once (S^2 bytes for a moment: 16 MiB at 4096, 1 GiB at 32768)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def visible(b, h, q_idx, kv_idx):
@@ -111,10 +112,11 @@ _flex_mask_eager = torch.compiler.disable(_flex_mask)
 @functools.cache
 def _flex_kernel():
     # eager FlexAttention is a reference that holds every score; compiled, it is one fused kernel
-    # (inside a compiled layer this wrapper is traced through)
+    # (inside a compiled layer this wrapper is traced through). Default dynamism: training's one
+    # shape compiles static, an evaluation's changing lengths turn dynamic instead of recompiling
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)
 
 
 def _attend_flex(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, *,
