@@ -49,7 +49,7 @@ def test_attend_keeps_the_reference_on_cpu():
 @pytest.mark.parametrize("window,sinks,dtype", [(0, True, torch.float32), (64, True, torch.float32),
                                                 (64, True, torch.bfloat16)])
 def test_flex_forward_and_gradients_equal_the_reference_on_cuda(window, sinks, dtype):
-    S = 640  # several 128-row blocks, the last one partial
+    S = 640  # five 128-row blocks, the window inside them (a partial block: test_families_gpu)
     leaves = _inputs("cuda", dtype, S=S)
     ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
     q, k, v, s = leaves

@@ -46,7 +46,8 @@ def run(nproc: int, args: list[str], timeout: float = 300) -> subprocess.Complet
     return p
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback TCP port nobody listens on now (the ranks' rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -59,7 +60,7 @@ def rank_processes(worker: Path, n: int, args: list[str], extra_env: dict | None
 
     Each rank writes to files, not pipes: a rank blocked on a full pipe that nobody reads yet
     would hold the others in their next collective. One deadline covers all ranks."""
-    port = _free_port()
+    port = free_port()
     procs, logs, late = [], [], []
     with tempfile.TemporaryDirectory(prefix="ranks-") as d:
         try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,24 +17,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, command, env, metrics, run
+from conftest import REPO, TINY, command, env, free_port, metrics, run
 
 from workbench.train.checkpointing import list_complete
 
 STEPS = 16
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _kill_after(nproc: int, args: list[str], out: Path, step: int, timeout: float = 240) -> None:
     """Start the ranks as plain processes (RANK/WORLD_SIZE/MASTER_* env, the trainer's contract)
     and SIGKILL every one of them once `step` is logged. (Killing a torchrun agent would leave
     its workers running: they live in their own sessions.)"""
-    port = _free_port()
+    port = free_port()
     procs: list[subprocess.Popen] = []
     for rank in range(nproc):
         e = env()
