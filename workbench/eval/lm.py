@@ -4,10 +4,11 @@ A transformers model runs in lm-eval's own `HFLM` unchanged. The workbench's mod
 DCP checkpoints, fake quantization installed) runs in `WorkbenchLM`, an `HFLM` whose two model
 calls are ours: `_model_call` (logits of a right-padded batch: our attention is causal and
 routing is per token, so the padding after a sequence changes nothing before it) and
-`_model_generate` (greedy decoding, one sequence at a time: the model has no padding mask, so
-the left-padded batch HFLM builds is unpadded row by row, and no KV cache, so every new token
-runs the whole sequence). Everything else, tokenization, request batching, truncation,
-log-likelihood and scoring, is lm-eval's.
+`_model_generate` (greedy decoding of the batch HFLM builds: the model has no padding mask, so
+the left-padded rows are re-packed right-padded, for the same reason as above, and each step
+runs the batch's live rows once, the head only at each row's last token; there is no KV cache,
+so a step runs the whole sequences). Everything else, tokenization, request batching,
+truncation, log-likelihood and scoring, is lm-eval's.
 """
 
 from __future__ import annotations
@@ -77,30 +78,46 @@ class WorkbenchLM(HFLM):
             raise EvalError(f"generation options {sorted(ignored)} are not supported by the "
                             "workbench model's greedy decoding")
         pad = self.tokenizer.pad_token_id
-        rows = []
-        for b in range(context.shape[0]):
-            ids = context[b] if mask is None else context[b][mask[b].bool()]
-            new = self._greedy(ids, max_length - context.shape[1], stop)
-            rows.append(torch.cat([context[b], new]))
+        prompts = [context[b] if mask is None else context[b][mask[b].bool()]
+                   for b in range(context.shape[0])]
+        made = self._greedy(prompts, max_length - context.shape[1], stop)
+        rows = [torch.cat([context[b], made[b]]) for b in range(context.shape[0])]
         width = max(len(r) for r in rows)
         out = torch.full((len(rows), width), pad, dtype=context.dtype, device=context.device)
         for b, r in enumerate(rows):
             out[b, :len(r)] = r
         return out
 
-    def _greedy(self, ids: torch.Tensor, max_new: int, stop: list[str]) -> torch.Tensor:
-        """argmax decoding until a stop sequence appears in the generated text (what HFLM's
-        stopping criteria look for; HFLM cuts the text at it afterwards) or max_new tokens."""
-        new: list[int] = []
-        seq = ids[None]
+    def _greedy(self, prompts: list[torch.Tensor], max_new: int,
+                stop: list[str]) -> list[torch.Tensor]:
+        """argmax decoding of each prompt until a stop sequence appears in its generated text
+        (what HFLM's stopping criteria look for; HFLM cuts the text at it afterwards) or
+        max_new tokens. The rows still generating run together, right-padded: causal attention
+        and per-token routing leave a row's positions unchanged by what follows them."""
+        lens = [len(p) for p in prompts]
+        seq = prompts[0].new_zeros(len(prompts), max(lens) + max(0, max_new))
+        for b, p in enumerate(prompts):
+            seq[b, :len(p)] = p
+        new: list[list[int]] = [[] for _ in prompts]
+        live = list(range(len(prompts)))
         for _ in range(max(0, max_new)):
-            nxt = int(self._model_call(seq)[0, -1].argmax())
-            new.append(nxt)
-            seq = torch.cat([seq, seq.new_tensor([[nxt]])], dim=1)
-            text = self.tokenizer.decode(new, skip_special_tokens=False)
-            if any(s in text for s in stop):
+            if not live:
                 break
-        return ids.new_tensor(new)
+            rows = torch.tensor(live, device=seq.device)
+            last = torch.tensor([lens[b] - 1 for b in live], device=seq.device)
+            with torch.no_grad(), self._autocast():
+                logits = self.model.module(seq[rows, :max(lens[b] for b in live)],
+                                           logits_at_B=last).logits
+            still = []
+            for b, nxt in zip(live, logits[:, 0].argmax(-1).tolist()):
+                new[b].append(nxt)
+                seq[b, lens[b]] = nxt
+                lens[b] += 1
+                text = self.tokenizer.decode(new[b], skip_special_tokens=False)
+                if not any(s in text for s in stop):
+                    still.append(b)
+            live = still
+        return [seq.new_tensor(n) for n in new]
 
     def get_model_info(self) -> dict:
         return {"model_num_parameters": sum(p.numel() for p in self.model.parameters()),

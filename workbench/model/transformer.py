@@ -136,12 +136,15 @@ class MoEForCausalLM(nn.Module):
         return [m for m in self.modules() if isinstance(m, MoEBlock)]
 
     def forward(self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor | None = None, *,
-                positions_BS: torch.Tensor | None = None, return_logits: bool = True) -> MoEOutput:
+                positions_BS: torch.Tensor | None = None, return_logits: bool = True,
+                logits_at_B: torch.Tensor | None = None) -> MoEOutput:
         """Labels follow transformers: `labels = input_ids` is shifted inside (token t predicts
         t+1); IGNORE_INDEX (-100) entries do not count. ce_loss is the mean over this process's
         counted tokens; under EP the aux loss is the one of the whole group's batch.
         `return_logits=False` (with labels): the head and its loss run in row chunks and the
-        [B, S, V] logits are never made (`workbench.model.loss`); `logits` is then None."""
+        [B, S, V] logits are never made (`workbench.model.loss`); `logits` is then None.
+        `logits_at_B` (no labels): the head runs at one position per row, logits [B, 1, V]
+        (greedy decoding of a right-padded batch needs each row's last token only)."""
         cfg = self.config
         if input_ids_BS.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got {tuple(input_ids_BS.shape)}")
@@ -158,6 +161,10 @@ class MoEForCausalLM(nn.Module):
             if logits_TE is not None:
                 router_logits.append(logits_TE)
         h_BSD = self.model.norm(h_BSD)
+        if logits_at_B is not None:
+            if labels_BS is not None:
+                raise ValueError("logits_at_B picks positions for the head; it takes no labels")
+            h_BSD = h_BSD[torch.arange(B, device=h_BSD.device), logits_at_B][:, None]
         chunked = labels_BS is not None and not return_logits
         logits_BSV = None if chunked else self.lm_head(h_BSD)
 
