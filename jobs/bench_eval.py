@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     out / task / "samples" / safe_name(m["label"]) / f"{task}.jsonl", tok)
                 row["gen_tokens_per_s"] = row["generated_tokens"] / m["seconds"]
             rows.append(row)
+
     def rate(r):  # generation: tokens made per second (models stop at different lengths)
         return r.get("gen_tokens_per_s", r["requests_per_s"])
 
