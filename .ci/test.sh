@@ -23,11 +23,13 @@ fi
 status() { git status --porcelain --untracked-files=normal 2>/dev/null; }
 before=$(status)
 # --durations: the slowest tests end every log, so a run that nears CI's limit says where the
-# time went.
+# time went. --dist load, not loadgroup (the suite has no xdist groups): xdist 3.8's loadgroup and
+# loadscope schedulers stop handing out tests once a crashed worker is replaced, so one test that
+# pytest-timeout ends would hold the whole run until CI's limit (tests/test_suite_timeout.py).
 # A run that outlasts 75 minutes (CI allows 90 with the set-up) names the tests still running and
 # ends with pytest's summary (tests/conftest.py), instead of being killed with no names.
 WORKBENCH_SUITE_LIMIT_S="${WORKBENCH_SUITE_LIMIT_S:-4500}" \
-  .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadgroup --durations=25 "$@"
+  .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist load --durations=25 "$@"
 rc=$?
 if [ "$rc" = 5 ]; then echo "pytest collected no tests"; fi
 after=$(status)

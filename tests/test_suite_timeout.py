@@ -44,6 +44,15 @@ def test_pyproject_limits_every_test():
     assert 60 <= int(ini["timeout"]) <= 1800
 
 
+def ci_dist_mode() -> str:
+    """The xdist scheduling `.ci/test.sh` runs the suite with."""
+    code = [ln for ln in (ROOT / ".ci" / "test.sh").read_text().splitlines()
+            if not ln.lstrip().startswith("#")]
+    found = re.findall(r"--dist[ =](\S+)", "\n".join(code))
+    assert len(found) == 1, ".ci/test.sh should pass one --dist"
+    return found[0]
+
+
 def _pytest(tmp_path, tests: str, timeout: int, extra_env: dict | None = None):
     """This repository's pytest configuration and suite-wide conftest on `tests`, under xdist as
     `.ci/test.sh` runs it and with SIGINT ignored as in a background job; only the per-test
@@ -60,7 +69,8 @@ def _pytest(tmp_path, tests: str, timeout: int, extra_env: dict | None = None):
     env["TMPDIR"] = str(tmp_path / "tmp")  # where the conftest keeps the workers' stacks
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n", "1", "-p", "no:cacheprovider", "test_it.py"],
+        [sys.executable, "-m", "pytest", "-n", "1", "--dist", ci_dist_mode(), "-p",
+         "no:cacheprovider", "test_it.py"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**env, **(extra_env or {})},
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     return proc, proc.stdout + proc.stderr, time.monotonic() - start

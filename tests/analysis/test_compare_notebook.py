@@ -10,18 +10,19 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from analysis_ckpts import moe_weights, write_dense, write_mxfp4
+from notebook_run import run_notebook
 
 ROOT = Path(__file__).parents[2]
 NB = ROOT / "notebooks" / "04_compare.ipynb"
 
 
 def _run(tmp_path, params):
-    papermill = pytest.importorskip("papermill")
+    pytest.importorskip("papermill")
     import nbformat
 
     out = tmp_path / "nb.ipynb"
-    papermill.execute_notebook(str(NB), str(out), parameters=params, cwd=str(ROOT),
-                               kernel_name="python3", progress_bar=False)
+    run_notebook(str(NB), str(out), parameters=params, cwd=str(ROOT),
+                 kernel_name="python3", progress_bar=False)
     nb = nbformat.read(out, as_version=4)
     pngs = [o["data"]["image/png"] for c in nb.cells for o in c.get("outputs", [])
             if "image/png" in o.get("data", {})]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from hub_cache import add_snapshot, commit_of
+from notebook_run import run_notebook
 from writers import write_ct
 
 ROOT = Path(__file__).parents[2]
@@ -15,7 +16,7 @@ ROOT = Path(__file__).parents[2]
 
 @pytest.mark.slow
 def test_inspection_notebook_takes_a_hub_id_and_layers(tmp_path, monkeypatch):
-    papermill = pytest.importorskip("papermill")
+    pytest.importorskip("papermill")
     import nbformat
 
     folder = write_ct(tmp_path / "ck", "nvfp4", layers=3, experts=4, shards=2)
@@ -27,7 +28,7 @@ def test_inspection_notebook_takes_a_hub_id_and_layers(tmp_path, monkeypatch):
     runs = {}
     for name, spec in (("id", "org/nb@main"), ("folder", str(folder))):
         out = tmp_path / f"{name}.ipynb"
-        papermill.execute_notebook(
+        run_notebook(
             str(ROOT / "notebooks" / "01_inspect_checkpoint.ipynb"), str(out),
             parameters={"checkpoint": spec, "out_dir": str(tmp_path / name), "layers": "1-2",
                         "experts": "0,3", "recipes": ["mxfp4:floor"]},

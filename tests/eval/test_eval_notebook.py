@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from builders import REPO, env
+from notebook_run import run_notebook
 
 from workbench.track import group_eval
 
@@ -12,13 +13,13 @@ pytestmark = pytest.mark.slow
 
 
 def test_budgets_notebook_shows_the_group_eval(group, group_eval_dir, tmp_path, monkeypatch):
-    papermill = pytest.importorskip("papermill", reason="needs the 'notebooks' extra")
+    pytest.importorskip("papermill", reason="needs the 'notebooks' extra")
     import nbformat
 
     for k, v in env(tmp_path).items():  # the kernel inherits this process's environment
         monkeypatch.setenv(k, v)
     out = tmp_path / "03.out.ipynb"
-    papermill.execute_notebook(
+    run_notebook(
         str(REPO / "notebooks" / "03_budgets.ipynb"), str(out), cwd=str(REPO),
         parameters={"group_dir": str(group["root"]), "group": "g", "divergence_window": 3,
                     "expert_error": False},
@@ -44,14 +45,14 @@ def test_budgets_notebook_shows_the_group_eval(group, group_eval_dir, tmp_path, 
 def test_launch_notebook_chains_an_eval_per_run(group, tmp_path, monkeypatch):
     """notebooks/02 with eval_tasks: an eval job after each of its runs (local executor), the
     group's table at the end; what it shows is what the eval jobs wrote."""
-    papermill = pytest.importorskip("papermill", reason="needs the 'notebooks' extra")
+    pytest.importorskip("papermill", reason="needs the 'notebooks' extra")
     import nbformat
 
     for k, v in env(tmp_path).items():
         monkeypatch.setenv(k, v)
     out = tmp_path / "runs"
     executed = tmp_path / "02.ipynb"
-    papermill.execute_notebook(
+    run_notebook(
         str(REPO / "notebooks" / "02_launch_qat.ipynb"), str(executed), cwd=str(tmp_path),
         kernel_name="python3", progress_bar=False,
         parameters={"executor": "local", "ep": 1, "steps": 4, "out": str(out),

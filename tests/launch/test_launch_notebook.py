@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from notebook_run import run_notebook
 
 from workbench.launch import JobHandle
 
@@ -14,14 +15,14 @@ NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "02_launch_qat.ip
 
 
 def test_launch_notebook_runs_two_recipes(tmp_path):
-    papermill = pytest.importorskip("papermill", reason="needs the notebooks extra")
+    pytest.importorskip("papermill", reason="needs the notebooks extra")
     out = tmp_path / "runs"
     executed = tmp_path / "02.ipynb"
-    papermill.execute_notebook(str(NOTEBOOK), str(executed), cwd=str(tmp_path),
-                               kernel_name="python3",
-                               parameters={"executor": "local", "ep": 2, "steps": 6,
-                                           "out": str(out),
-                                               "wandb": "disabled", "timeout_s": 600})
+    run_notebook(str(NOTEBOOK), str(executed), cwd=str(tmp_path),
+                 kernel_name="python3",
+                 parameters={"executor": "local", "ep": 2, "steps": 6,
+                             "out": str(out),
+                                 "wandb": "disabled", "timeout_s": 600})
     nb = json.loads(executed.read_text())
     outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]

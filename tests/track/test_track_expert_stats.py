@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+from notebook_run import run_notebook
 from track_runs import REPO
 
 from workbench.plots import plot_error_growth, plot_map_difference, plot_step_heatmaps
@@ -67,13 +68,11 @@ def test_tables_and_figures_hold_the_data(runs):
 
 
 def test_notebook_05_runs_headless(runs, tmp_path):
-    import papermill
-
     out = tmp_path / "05.ipynb"
-    papermill.execute_notebook(str(REPO / "notebooks" / "05_expert_telemetry.ipynb"), str(out),
-                               parameters={"group_dir": str(runs), "max_churn": 1.0},
-                               cwd=str(REPO / "notebooks"), kernel_name="python3",
-                               progress_bar=False)
+    run_notebook(str(REPO / "notebooks" / "05_expert_telemetry.ipynb"), str(out),
+                 parameters={"group_dir": str(runs), "max_churn": 1.0},
+                 cwd=str(REPO / "notebooks"), kernel_name="python3",
+                 progress_bar=False)
     import nbformat
 
     nb = nbformat.read(out, as_version=4)

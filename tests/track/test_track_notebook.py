@@ -11,6 +11,7 @@ from html import escape as html_escape
 
 import pandas as pd
 import pytest
+from notebook_run import run_notebook
 from track_runs import REPO, wandb_env
 
 from workbench.track import (
@@ -79,9 +80,9 @@ def test_trainer_wandb_history_equals_metrics_jsonl(group_dir):
 
 
 def test_budgets_notebook_headless(group_dir, tmp_path):
-    papermill = pytest.importorskip("papermill", reason="needs the 'notebooks' extra")
+    pytest.importorskip("papermill", reason="needs the 'notebooks' extra")
     out = tmp_path / "03_budgets.out.ipynb"
-    papermill.execute_notebook(
+    run_notebook(
         str(REPO / "notebooks" / "03_budgets.ipynb"), str(out), cwd=str(REPO),
         parameters={"group_dir": str(group_dir), "group": "nb", "divergence_window": 3},
         kernel_name="python3", progress_bar=False)

@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from notebook_run import run_notebook
 from track_runs import write_runs
 
 from workbench.track import compare, find_runs, load_runs, read_metrics
@@ -171,12 +172,12 @@ def test_compare_lists_unreadable_runs_and_judges_the_rest(group):
 
 @pytest.mark.slow
 def test_budgets_notebook_shows_the_disagreement_and_the_unreadable_runs(group, tmp_path):
-    papermill = pytest.importorskip("papermill", reason="needs the 'notebooks' extra")
+    pytest.importorskip("papermill", reason="needs the 'notebooks' extra")
     import nbformat
     from track_runs import REPO
 
     out = tmp_path / "03.out.ipynb"
-    papermill.execute_notebook(
+    run_notebook(
         str(REPO / "notebooks" / "03_budgets.ipynb"), str(out), cwd=str(REPO),
         parameters={"group_dir": str(group), "group": "g", "expert_error": False},
         kernel_name="python3", progress_bar=False)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from families import family_oracle
+from notebook_run import run_notebook
 from realdata import corpus_texts, train_tokenizer, write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -35,17 +36,17 @@ def _outputs(path: Path) -> list[dict]:
 
 
 def test_notebook_01_inspects_gpt_oss_mxfp4(tmp_path, gpt_oss):
-    papermill = pytest.importorskip("papermill", reason="needs the notebooks extra")
+    pytest.importorskip("papermill", reason="needs the notebooks extra")
     import pandas as pd
 
     executed = tmp_path / "01.ipynb"
-    papermill.execute_notebook(str(ROOT / "notebooks" / "01_inspect_checkpoint.ipynb"),
-                               str(executed), cwd=str(ROOT), kernel_name="python3",
-                               progress_bar=False,
-                               parameters={"checkpoint": str(gpt_oss["packed"]),
-                                           "reference": str(gpt_oss["bf16"]),
-                                           "out_dir": str(tmp_path / "rep"),
-                                           "recipes": ["mxfp4:floor", "nvfp4:torchao"]})
+    run_notebook(str(ROOT / "notebooks" / "01_inspect_checkpoint.ipynb"),
+                 str(executed), cwd=str(ROOT), kernel_name="python3",
+                 progress_bar=False,
+                 parameters={"checkpoint": str(gpt_oss["packed"]),
+                             "reference": str(gpt_oss["bf16"]),
+                             "out_dir": str(tmp_path / "rep"),
+                             "recipes": ["mxfp4:floor", "nvfp4:torchao"]})
     outputs = _outputs(executed)
     assert not [o for o in outputs if o.get("output_type") == "error"]
     assert any("image/png" in o.get("data", {}) for o in outputs)
@@ -60,18 +61,18 @@ def test_notebook_01_inspects_gpt_oss_mxfp4(tmp_path, gpt_oss):
 
 @pytest.mark.distributed
 def test_notebook_02_launches_qat_from_gpt_oss(tmp_path, gpt_oss):
-    papermill = pytest.importorskip("papermill", reason="needs the notebooks extra")
+    pytest.importorskip("papermill", reason="needs the notebooks extra")
     from workbench.launch import JobHandle
 
     out = tmp_path / "runs"
     executed = tmp_path / "02.ipynb"
-    papermill.execute_notebook(str(ROOT / "notebooks" / "02_launch_qat.ipynb"), str(executed),
-                               cwd=str(tmp_path), kernel_name="python3",
-                               parameters={"executor": "local", "ep": 2, "steps": 4,
-                                           "out": str(out), "wandb": "disabled",
-                                           "timeout_s": 900, "init": str(gpt_oss["packed"]),
-                                           "data": [str(gpt_oss["data"])],
-                                           "recipes": ["bf16", "mxfp4"]})
+    run_notebook(str(ROOT / "notebooks" / "02_launch_qat.ipynb"), str(executed),
+                 cwd=str(tmp_path), kernel_name="python3",
+                 parameters={"executor": "local", "ep": 2, "steps": 4,
+                             "out": str(out), "wandb": "disabled",
+                             "timeout_s": 900, "init": str(gpt_oss["packed"]),
+                             "data": [str(gpt_oss["data"])],
+                             "recipes": ["bf16", "mxfp4"]})
     outputs = _outputs(executed)
     assert not [o for o in outputs if o.get("output_type") == "error"]
     assert any("image/png" in o.get("data", {}) for o in outputs)
