@@ -72,6 +72,9 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
                                                       "imports it, so it loads on first use",
     ("workbench.kernels.cast", "workbench.kernels"): "Triton is optional: the kernel module "
                                                      "imports it, so it loads on first use",
+    ("workbench.model.attention", "workbench.model.flex"): "FlexAttention loads torch._dynamo "
+                                                           "and Triton: imported on the first "
+                                                           "CUDA call",
     ("workbench.launch.handle", "workbench.track.metrics"): LIGHT,
     ("workbench.launch.watch", "workbench.plots.runs"): LIGHT,
     ("workbench.track.experts", "workbench.qat.recipe"): LIGHT,

@@ -74,10 +74,10 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("memo", "workbench.model.loss", "_accumulate_compiled"): (
         "memo of torch.compile's wrapper of an in-place add, made on first use: decides speed, "
         "not values (its tests hold it to the eager add, bit for bit)"),
-    ("memo", "workbench.model.attention", "_flex_kernel"): (
+    ("memo", "workbench.model.flex", "_flex_kernel"): (
         "memo of torch.compile's wrapper of FlexAttention, made on first use: decides speed, "
         "not values (tests/model/test_attention_flex.py holds it to the SDPA reference)"),
-    ("memo", "workbench.model.attention", "_flex_mask"): (
+    ("memo", "workbench.model.flex", "_flex_mask"): (
         "memo of FlexAttention's block mask per (seq, window, device): a pure function of its "
         "arguments"),
     ("memo", "workbench.train.data", "_permutation"): (

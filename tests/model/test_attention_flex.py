@@ -1,4 +1,4 @@
-"""gpt-oss attention on CUDA (`_attend_flex`: FlexAttention with a block mask for the causal
+"""gpt-oss attention on CUDA (`workbench.model.flex.attend_flex`: FlexAttention with a block mask for the causal
 window, sinks through the logsumexp) against the SDPA reference (`attend_sdpa`: a boolean mask
 and a sink key). FlexAttention's backward does not run on a CPU: there the forward is checked
 through its eager reference; the CUDA test checks forward and every gradient, compiled."""
@@ -10,7 +10,8 @@ import warnings
 import pytest
 import torch
 
-from workbench.model.attention import _attend_flex, attend, attend_sdpa
+from workbench.model.attention import attend, attend_sdpa
+from workbench.model.flex import attend_flex
 
 CASES = [(0, True), (64, False), (64, True), (1, True)]  # (window, sinks)
 
@@ -32,7 +33,7 @@ def test_flex_forward_equals_the_sdpa_reference_on_cpu(window, sinks):
     ref = attend_sdpa(q, k, v, scale=32 ** -0.5, window=window, sinks_H=s if sinks else None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "called without torch.compile": on purpose
-        got = _attend_flex(q, k, v, scale=32 ** -0.5, window=window,
+        got = attend_flex(q, k, v, scale=32 ** -0.5, window=window,
                            sinks_H=s if sinks else None, compiled=False)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 

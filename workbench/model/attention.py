@@ -7,13 +7,11 @@ Parameter names equal transformers' for each family (`q_proj`, `q_norm`, `sinks`
 `q_a_proj`, `kv_a_proj_with_mqa`, ...), so the attention part of every key map is identity.
 Scores go through `torch.nn.functional.scaled_dot_product_attention`; windows and sinks become
 its boolean mask and one extra key (`attend_sdpa`, the reference). On CUDA a window or sinks run
-FlexAttention instead (`_attend_flex`): SDPA has no fused kernel for a boolean mask with GQA, so
+FlexAttention instead (`workbench.model.flex`): SDPA has no fused kernel for a boolean mask with GQA, so
 its math path would hold every [S, S + 1] score of a gpt-oss layer for backward.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -50,9 +48,13 @@ def attend(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, *, 
            window: int = 0, sinks_H: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(scale * q k^T + causal/window mask) v, per head; with sinks, each head's softmax
     also counts a logit sinks[h] that no value follows (gpt-oss). A window or sinks on CUDA run
-    `_attend_flex`; everything else, and the CPU, the reference `attend_sdpa`."""
+    `workbench.model.flex.attend_flex`; everything else, and the CPU, the reference `attend_sdpa`."""
     if (window or sinks_H is not None) and q_BHSD.is_cuda:
-        return _attend_flex(q_BHSD, k_BGSD, v_BGSD, scale=scale, window=window, sinks_H=sinks_H)
+        # imported here: FlexAttention's module loads torch._dynamo (and Triton), which a CPU
+        # user of the model should not pay for
+        from workbench.model.flex import attend_flex
+
+        return attend_flex(q_BHSD, k_BGSD, v_BGSD, scale=scale, window=window, sinks_H=sinks_H)
     return attend_sdpa(q_BHSD, k_BGSD, v_BGSD, scale=scale, window=window, sinks_H=sinks_H)
 
 
@@ -88,59 +90,6 @@ def attend_sdpa(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor
         return o[..., :Dh]
     return F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, attn_mask=mask, scale=scale,
                                           enable_gqa=gqa)
-
-
-@functools.lru_cache(maxsize=32)
-def _flex_mask(S: int, window: int, device: str):
-    """FlexAttention's block mask for causal attention within the last `window` positions (the
-    rule of `attention_mask`), built once per shape: blocks wholly outside it are skipped, so a
-    128-token window costs O(S x 128), not O(S^2). Building it evaluates the rule on all S x S
-    pairs once (S^2 bytes for a moment: 16 MiB at 4096, 1 GiB at 32768)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def visible(b, h, q_idx, kv_idx):
-        seen = kv_idx <= q_idx
-        return seen & (kv_idx > q_idx - window) if window else seen
-
-    return create_block_mask(visible, B=None, H=None, Q_LEN=S, KV_LEN=S, device=device)
-
-
-# the mask is built outside a compiled region: a graph break, not a mask rebuilt in every graph
-_flex_mask_eager = torch.compiler.disable(_flex_mask)
-
-
-@functools.cache
-def _flex_kernel():
-    # eager FlexAttention is a reference that holds every score; compiled, it is one fused kernel
-    # (inside a compiled layer this wrapper is traced through). Default dynamism: training's one
-    # shape compiles static, an evaluation's changing lengths turn dynamic instead of recompiling
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention)
-
-
-def _attend_flex(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, *,
-                 scale: float, window: int, sinks_H: torch.Tensor | None,
-                 compiled: bool = True) -> torch.Tensor:
-    """`attend` as one fused FlexAttention kernel (CUDA; its backward does not run on a CPU).
-    `compiled=False` runs FlexAttention's eager reference (tests on a CPU).
-
-    A sink adds exp(sinks[h]) to each query's softmax denominator Z = exp(lse) and nothing to
-    its numerator, so the output is the sink-free output times Z / (Z + exp(sinks[h])) =
-    sigmoid(lse - sinks[h]); the gradient reaches q and k through lse as well (FlexAttention
-    differentiates its logsumexp)."""
-    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
-
-    S = q_BHSD.shape[2]
-    mask = _flex_mask_eager(S, window, str(q_BHSD.device))
-    kernel = _flex_kernel() if compiled else flex_attention
-    gqa = q_BHSD.shape[1] != k_BGSD.shape[1]
-    if sinks_H is None:
-        return kernel(q_BHSD, k_BGSD, v_BGSD, block_mask=mask, scale=scale, enable_gqa=gqa)
-    o, aux = kernel(q_BHSD, k_BGSD, v_BGSD, block_mask=mask, scale=scale, enable_gqa=gqa,
-                    return_aux=AuxRequest(lse=True))
-    keep_BHS = torch.sigmoid(aux.lse - sinks_H.float()[None, :, None])
-    return (o * keep_BHS[..., None]).to(q_BHSD.dtype)
 
 
 class Attention(nn.Module):
