@@ -48,7 +48,8 @@ def attend(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, *, 
            window: int = 0, sinks_H: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(scale * q k^T + causal/window mask) v, per head; with sinks, each head's softmax
     also counts a logit sinks[h] that no value follows (gpt-oss). A window or sinks on CUDA run
-    `workbench.model.flex.attend_flex`; everything else, and the CPU, the reference `attend_sdpa`."""
+    `workbench.model.flex.attend_flex`; everything else, and the CPU, the reference
+    `attend_sdpa`."""
     if (window or sinks_H is not None) and q_BHSD.is_cuda:
         # imported here: FlexAttention's module loads torch._dynamo (and Triton), which a CPU
         # user of the model should not pay for

@@ -12,16 +12,16 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 
 @functools.lru_cache(maxsize=32)
 def _flex_mask(S: int, window: int, device: str):
     """FlexAttention's block mask for causal attention within the last `window` positions (the
-    rule of `workbench.model.attention.attention_mask`), built once per shape: blocks wholly outside it are skipped, so a
-    128-token window costs O(S x 128), not O(S^2). Building it evaluates the rule on all S x S
-    pairs once (S^2 bytes for a moment: 16 MiB at 4096, 1 GiB at 32768)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
+    rule of `workbench.model.attention.attention_mask`), built once per shape: blocks wholly
+    outside it are skipped, so a 128-token window costs O(S x 128), not O(S^2). Building it
+    evaluates the rule on all S x S pairs once (S^2 bytes for a moment: 16 MiB at 4096, 1 GiB
+    at 32768)."""
     def visible(b, h, q_idx, kv_idx):
         seen = kv_idx <= q_idx
         return seen & (kv_idx > q_idx - window) if window else seen
@@ -38,14 +38,12 @@ def _flex_kernel():
     # eager FlexAttention is a reference that holds every score; compiled, it is one fused kernel
     # (inside a compiled layer this wrapper is traced through). Default dynamism: training's one
     # shape compiles static, an evaluation's changing lengths turn dynamic instead of recompiling
-    from torch.nn.attention.flex_attention import flex_attention
-
     return torch.compile(flex_attention)
 
 
 def attend_flex(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, *,
-                 scale: float, window: int, sinks_H: torch.Tensor | None,
-                 compiled: bool = True) -> torch.Tensor:
+                scale: float, window: int, sinks_H: torch.Tensor | None,
+                compiled: bool = True) -> torch.Tensor:
     """`attend` as one fused FlexAttention kernel (CUDA; its backward does not run on a CPU).
     `compiled=False` runs FlexAttention's eager reference (tests on a CPU).
 
@@ -53,8 +51,6 @@ def attend_flex(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor
     its numerator, so the output is the sink-free output times Z / (Z + exp(sinks[h])) =
     sigmoid(lse - sinks[h]); the gradient reaches q and k through lse as well (FlexAttention
     differentiates its logsumexp)."""
-    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
-
     S = q_BHSD.shape[2]
     mask = _flex_mask_eager(S, window, str(q_BHSD.device))
     kernel = _flex_kernel() if compiled else flex_attention
