@@ -73,10 +73,8 @@ def test_a_row_that_meets_its_stop_stops_and_the_others_go_on(lm):
     stop = lm.tokenizer.decode(want[2][:3])
     made = [m.tolist() for m in lm._greedy(prompts, 9, stop=[stop])]
     for w, m in zip(want, made):
-        text = ""
-        for i, t in enumerate(w):  # the oracle's own stopping point for this row
-            text = lm.tokenizer.decode(w[:i + 1])
-            if stop in text:
+        for i in range(len(w)):  # the oracle's own stopping point for this row
+            if stop in lm.tokenizer.decode(w[:i + 1]):
                 assert m == w[:i + 1]
                 break
         else:

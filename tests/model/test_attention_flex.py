@@ -1,7 +1,8 @@
-"""gpt-oss attention on CUDA (`workbench.model.flex.attend_flex`: FlexAttention with a block mask for the causal
-window, sinks through the logsumexp) against the SDPA reference (`attend_sdpa`: a boolean mask
-and a sink key). FlexAttention's backward does not run on a CPU: there the forward is checked
-through its eager reference; the CUDA test checks forward and every gradient, compiled."""
+"""gpt-oss attention on CUDA (`workbench.model.flex.attend_flex`: FlexAttention with a block
+mask for the causal window, sinks through the logsumexp) against the SDPA reference
+(`attend_sdpa`: a boolean mask and a sink key). FlexAttention's backward does not run on a
+CPU: there the forward is checked through its eager reference; the CUDA test checks forward and
+every gradient, compiled."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def test_flex_forward_equals_the_sdpa_reference_on_cpu(window, sinks):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "called without torch.compile": on purpose
         got = attend_flex(q, k, v, scale=32 ** -0.5, window=window,
-                           sinks_H=s if sinks else None, compiled=False)
+                          sinks_H=s if sinks else None, compiled=False)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
